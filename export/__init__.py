@@ -1,0 +1,1 @@
+"""Draftsmith export stage."""

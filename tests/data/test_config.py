@@ -1,0 +1,59 @@
+"""Strict config loading: unknown keys, wrong types, bad choices and overrides."""
+import pytest
+
+from draftsmith.data.config import ConfigError, load_config
+from draftsmith.data.layer_ids import default_aux_layer_ids, from_sglang_layer_ids, normalize_aux_layer_ids
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "run.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_demo_config_loads_with_defaults_and_name():
+    cfg, sources = load_config("smollm2-demo")
+    assert cfg.name == "smollm2-demo" and str(cfg.run_dir()) == "runs/smollm2-demo"
+    assert sources["train.lr"] == "yaml" and sources["train.grad_clip"] == "default"
+
+
+def test_unknown_key_names_file_key_and_suggestion(tmp_path):
+    path = _write(tmp_path, "train:\n  learning_rate: 1.0e-4\n")
+    with pytest.raises(ConfigError, match=r"run.yaml: unknown key 'train.learning_rate' \(did you mean 'train.lr'\?\)"):
+        load_config(path)
+
+
+def test_wrong_type_and_bad_choice(tmp_path):
+    with pytest.raises(ConfigError, match="'train.max_steps' must be int, got str"):
+        load_config(_write(tmp_path, "train:\n  max_steps: many\n"))
+    with pytest.raises(ConfigError, match=r"'drafter.arch' = 'lama' is not one of 'llama', 'qwen3' \(did you mean 'llama'\?\)"):
+        load_config(_write(tmp_path, "drafter:\n  arch: lama\n"))
+
+
+def test_cli_overrides_beat_yaml_and_are_checked(tmp_path):
+    path = _write(tmp_path, "train:\n  lr: 1.0e-3\n")
+    cfg, sources = load_config(path, ["train.lr=3e-4", "ttt.num_steps=5", "export.num_speculative_tokens=[1,3]"])
+    assert cfg.train.lr == 3e-4 and sources["train.lr"] == "cli"
+    assert cfg.ttt.num_steps == 5 and cfg.export.num_speculative_tokens == (1, 3)
+    with pytest.raises(ConfigError, match="unknown key 'train.lrr'"):
+        load_config(path, ["train.lrr=1"])
+
+
+def test_exclusive_norm_flags_are_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="fc_norm and drafter.norm_before_fc are exclusive"):
+        load_config(_write(tmp_path, "drafter:\n  fc_norm: true\n  norm_before_fc: true\n"))
+
+
+def test_missing_config_lists_available():
+    with pytest.raises(ConfigError, match="smollm2-demo"):
+        load_config("no-such-config")
+
+
+def test_layer_id_convention():
+    assert default_aux_layer_ids(32) == [2, 16, 29]
+    assert default_aux_layer_ids(48) == [2, 24, 45]
+    assert default_aux_layer_ids(30) == [2, 15, 27]
+    assert normalize_aux_layer_ids([29, 2, 16, 2], 32) == [2, 16, 29]
+    assert from_sglang_layer_ids([1, 15, 28]) == [2, 16, 29]
+    with pytest.raises(ValueError, match="outside"):
+        normalize_aux_layer_ids([2, 40], 32)

@@ -1,0 +1,73 @@
+"""Training checkpoints (full state for an exact resume) and the drafter bundle that export reads.
+
+A checkpoint is written by accelerate's save_state (model, optimizer, scheduler, RNG of every process)
+plus our loop state, into a temporary folder that is renamed when complete: a half-written checkpoint
+never carries a `step-*` name, so it is never picked up.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save
+
+from draftsmith.data.manifest import atomic_write_bytes, atomic_write_json, read_json
+
+logger = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"^step-(\d{7})$")
+BUNDLE_WEIGHTS = "drafter.safetensors"
+BUNDLE_SPEC = "drafter.json"
+
+
+def checkpoint_dirs(ckpt_root: Path) -> list[Path]:
+    if not ckpt_root.is_dir():
+        return []
+    return sorted(p for p in ckpt_root.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    dirs = checkpoint_dirs(ckpt_root)
+    return dirs[-1] if dirs else None
+
+
+def save_checkpoint(accelerator, ckpt_root: Path, step: int, loop_state: dict, keep_last: int = 2) -> Path:
+    """All processes call this; the main process renames the finished folder and prunes old ones."""
+    final = ckpt_root / f"step-{step:07d}"
+    tmp = ckpt_root / f".tmp-step-{step:07d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        atomic_write_json(tmp / "loop_state.json", loop_state)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in checkpoint_dirs(ckpt_root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path: Path) -> dict:
+    accelerator.load_state(str(path))
+    return read_json(path / "loop_state.json", "checkpoint loop state")
+
+
+def save_drafter_bundle(out_dir: Path, state_dict: dict[str, torch.Tensor], spec: dict, extra: dict) -> None:
+    """The trained weights (fp32) + the drafter spec export/ turns into a vLLM folder."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    atomic_write_bytes(out_dir / BUNDLE_WEIGHTS, save(tensors))
+    atomic_write_json(out_dir / BUNDLE_SPEC, {**spec, **extra})
+
+
+def load_drafter_bundle(bundle_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    weights = bundle_dir / BUNDLE_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"no trained drafter at {weights}; run train/eagle3.py (or train/peagle.py) first")
+    return load_file(str(weights)), read_json(bundle_dir / BUNDLE_SPEC, "drafter spec")
