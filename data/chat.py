@@ -54,7 +54,7 @@ def _normalize_turn(turn: object, where: str) -> dict:
     if message["role"] == "assistant" and reasoning is not None:
         if not isinstance(reasoning, str):
             raise ValueError(f"{where}.reasoning_content must be a string, got {type(reasoning).__name__}")
-        message["reasoning_content"] = reasoning
+        pass
     return message
 
 
@@ -95,54 +95,61 @@ def end_of_turn_marker(tokenizer) -> str:
 
 
 def assistant_char_spans(text: str, messages: list[dict], marker: str) -> list[tuple[int, int]]:
-    """[start, end) character spans of each assistant turn's generated text in the rendered `text`."""
-    spans, cursor = [], 0
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            cursor = _skip_past_content(text, message["content"], marker, cursor)
-            continue
-        start, end = _find_assistant_turn(text, message["content"], marker, cursor, i)
-        spans.append((_include_think_block(text, cursor, start), end))
-        cursor = end
-    return spans
+    """[start, end) character spans of each assistant turn's generated text in the rendered `text`.
+
+    Messages are located from the last one backwards, each ending before the next one starts, so text
+    that the template injects earlier (a default system prompt, a date line) is never taken for a turn.
+    """
+    spans, limit = [], len(text)
+    for i in range(len(messages) - 1, -1, -1):
+        content = messages[i]["content"]
+        if messages[i]["role"] == "assistant":
+            start, end = _find_assistant_turn(text, content, marker, limit, i)
+            start = _include_think_block(text, marker, start)
+            spans.append((start, end))
+            limit = start
+        else:
+            limit = _find_content_start(text, content, marker, limit)
+    return spans[::-1]
 
 
-def _skip_past_content(text: str, content: str, marker: str, cursor: int) -> int:
-    # Moving past user text keeps a later assistant reply that repeats it from matching here. The
-    # marker is skipped too when it closes this turn, so an empty assistant reply cannot match it.
+def _find_content_start(text: str, content: str, marker: str, limit: int) -> int:
+    """Start of the last rendering of a non-assistant `content` before `limit` (`limit` if not found)."""
     content = content.strip()
-    pos = text.find(content, cursor) if content else -1
+    if not content:
+        return limit
+    # Prefer the occurrence closed by the marker: the assistant header after a user turn may hold the text.
+    pos = text.rfind(content + marker, 0, limit)
     if pos == -1:
-        return cursor
-    end = pos + len(content)
-    return end + len(marker) if text.startswith(marker, end) else end
+        pos = text.rfind(content, 0, limit)
+    return limit if pos == -1 else pos
 
 
-def _find_assistant_turn(text: str, content: str, marker: str, cursor: int, index: int) -> tuple[int, int]:
-    """Span of `content` + end-of-turn marker at or after `cursor`, as the template rendered it."""
+def _find_assistant_turn(text: str, content: str, marker: str, limit: int, index: int) -> tuple[int, int]:
+    """Span of the last `content` + end-of-turn marker that ends by `limit`, as the template rendered it."""
     candidates = [content, content.strip()]
     if THINK_CLOSE in content:
         # Templates like Qwen3's move an inline <think> block out of the content (or drop it).
         candidates.append(content.split(THINK_CLOSE)[-1].strip())
     for candidate in candidates:
-        pos = text.find(candidate + marker, cursor)
+        pos = text.rfind(candidate + marker, 0, limit)
         if pos != -1:
             return pos, pos + len(candidate) + len(marker)
     raise ValueError(
         f"assistant message {index}: its content {content[:60]!r} followed by the end-of-turn marker "
-        f"{marker!r} was not found in the rendered chat template output after character {cursor}"
+        f"{marker!r} was not found in the rendered chat template output (searched up to character {limit})"
     )
 
 
-def _include_think_block(text: str, cursor: int, start: int) -> int:
+def _include_think_block(text: str, marker: str, start: int) -> int:
     """Move `start` back over a `<think>...</think>` block that the template put right before the content."""
-    open_at = text.rfind(THINK_OPEN, cursor, start)
-    if open_at == -1:
-        return start
-    close_at = text.find(THINK_CLOSE, open_at, start)
+    close_at = text.rfind(THINK_CLOSE, 0, start)
     if close_at == -1 or text[close_at + len(THINK_CLOSE) : start].strip():
         return start
-    return open_at
+    # the block opens after the previous turn's end-of-turn marker (first <think> there: reasoning may quote it)
+    turn_start = text.rfind(marker, 0, close_at)
+    open_at = text.find(THINK_OPEN, 0 if turn_start == -1 else turn_start + len(marker), close_at)
+    return start if open_at == -1 else open_at
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:

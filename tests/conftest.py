@@ -1,0 +1,85 @@
+"""Shared fixtures: a tiny random Llama target saved as an HF folder and a captured dataset built from it."""
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from draftsmith.data.capture import capture_to_shards
+from draftsmith.data.manifest import atomic_write_json, target_identity
+from draftsmith.data.shards import FORMAT
+from draftsmith.data.vocab import build_draft_vocab, count_loss_masked_tokens, save_vocab
+
+TINY_VOCAB = 96
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    path = tmp_path_factory.mktemp("tiny-target")
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # a peaked teacher: a random head gives near-uniform targets
+    model.save_pretrained(path)
+    return path
+
+
+def _periodic_samples(n: int, seed: int) -> list[dict]:
+    """Token streams with learnable structure (repeating motifs), half of each masked for loss."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        motif = [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(3, 7))]
+        t = rng.randrange(24, 60)
+        ids = [1] + [motif[i % len(motif)] for i in range(t - 1)]
+        out.append({"input_ids": ids, "loss_mask": [0] * (t // 3) + [1] * (t - t // 3)})
+    return out
+
+
+def build_tiny_dataset(target_dir, out_dir, num_train=48, num_heldout=8, draft_vocab=48, aux_ids=(1, 2, 3)):
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    shards, first = [], 0
+    samples = {"train": _periodic_samples(num_train, 0), "heldout": _periodic_samples(num_heldout, 1)}
+    for split in ("train", "heldout"):
+        entries = capture_to_shards(model, samples[split], list(aux_ids), out_dir, split, first, 16, 4096, 0,
+                                    torch.float32)
+        shards += entries
+        first += len(entries)
+    counts = sum(count_loss_masked_tokens(torch.tensor(s["input_ids"]), torch.tensor(s["loss_mask"]), TINY_VOCAB)
+                 for s in samples["train"])
+    d2t, t2d = build_draft_vocab(counts, draft_vocab)
+    save_vocab(out_dir / "vocab.safetensors", d2t, t2d, counts)
+    atomic_write_json(out_dir / "manifest.json", {
+        "format": FORMAT, "target": target_identity(str(target_dir), model.config), "aux_layer_ids": list(aux_ids),
+        "dtype": "float32", "num_samples": sum(s["num_samples"] for s in shards),
+        "num_tokens": sum(s["num_tokens"] for s in shards), "shards": shards})
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_target_dir, tmp_path_factory):
+    """A run folder whose dataset/ is built; returns a function writing a config YAML for it."""
+    run_dir = tmp_path_factory.mktemp("tiny-run")
+    build_tiny_dataset(tiny_target_dir, run_dir / "dataset")
+
+    def write_config(tmp_path, extra: dict | None = None, output_dir=None) -> str:
+        import shutil
+
+        out = output_dir or (tmp_path / "run")
+        if not (out / "dataset").exists():
+            shutil.copytree(run_dir / "dataset", out / "dataset")
+        cfg = {"output_dir": str(out), "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32",
+                                                   "aux_layer_ids": [1, 2, 3]},
+               "ttt": {"num_steps": 3}, "train": {"lr": 3e-3, "max_steps": 20, "warmup_steps": 2,
+                                                  "batch_tokens": 256, "log_every": 5, "eval_every": 10,
+                                                  "save_every": 10, "seed": 0}}
+        for section, values in (extra or {}).items():
+            cfg.setdefault(section, {}).update(values)
+        path = tmp_path / "tiny.yaml"
+        path.write_text(json.dumps(cfg))
+        return str(path)
+
+    return write_config

@@ -1,0 +1,87 @@
+"""Builders the trainers share: the checked dataset, the frozen teacher head, the drafter and its export spec.
+
+The dataset is checked against the run config (target identity, aux ids, hidden size) before anything
+expensive is loaded; a mismatch names both values.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from draftsmith.data.config import RunConfig
+from draftsmith.data.layer_ids import resolve_aux_layer_ids
+from draftsmith.data.manifest import read_json, target_identity
+from draftsmith.data.shards import ShardedDataset
+from draftsmith.data.target import load_target_config, load_target_head, resolve_target_path
+from draftsmith.data.vocab import load_vocab
+from draftsmith.train.drafter import Drafter, drafter_dims, init_drafter_from_target
+
+logger = logging.getLogger(__name__)
+
+
+def check_dataset_matches(cfg: RunConfig, manifest: dict, identity: dict, where: str) -> list[int]:
+    """Refuse a dataset made for another target, other aux ids or another hidden size; returns the aux ids."""
+    stored = manifest["target"]
+    for key in ("config_sha256", "num_hidden_layers", "hidden_size", "vocab_size"):
+        if stored.get(key) != identity[key]:
+            raise ValueError(f"{where}: dataset target {key}={stored.get(key)!r} but the config's target "
+                             f"'{cfg.target.name_or_path}' has {key}={identity[key]!r}; rebuild the dataset")
+    want = resolve_aux_layer_ids(cfg.target.aux_layer_ids, identity["num_hidden_layers"])
+    if manifest["aux_layer_ids"] != want:
+        raise ValueError(f"{where}: dataset aux_layer_ids={manifest['aux_layer_ids']} but the config gives "
+                         f"target.aux_layer_ids={want}; rebuild the dataset or set target.aux_layer_ids")
+    return want
+
+
+def load_checked_dataset(cfg: RunConfig):
+    """-> (train ShardedDataset, held-out ShardedDataset, aux ids, target path, target HF config)."""
+    ds_dir = cfg.dataset_dir()
+    manifest = read_json(ds_dir / "manifest.json", "dataset manifest (run data/build.py first)")
+    target_path = resolve_target_path(cfg.target.name_or_path)
+    hf_cfg = load_target_config(target_path)
+    aux_ids = check_dataset_matches(cfg, manifest, target_identity(cfg.target.name_or_path, hf_cfg),
+                                    str(ds_dir / "manifest.json"))
+    train_ds, heldout_ds = ShardedDataset(ds_dir, "train"), ShardedDataset(ds_dir, "heldout")
+    if len(train_ds) == 0:
+        raise ValueError(f"{ds_dir}: the train split is empty")
+    return train_ds, heldout_ds, aux_ids, target_path, hf_cfg
+
+
+def build_drafter(cfg: RunConfig, hf_cfg, target_path: str, aux_ids: list[int], parallel_drafting: bool) -> Drafter:
+    d2t, t2d = load_vocab(cfg.dataset_dir() / "vocab.safetensors")
+    text_cfg = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
+    dims = drafter_dims(text_cfg, cfg.drafter, len(aux_ids), len(d2t))
+    torch.manual_seed(cfg.train.seed)
+    drafter = Drafter(dims, cfg.drafter, parallel_drafting=parallel_drafting)
+    head = load_target_head(target_path)
+    init_drafter_from_target(drafter, head["embed"].float(), d2t, t2d)
+    n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    logger.info("drafter: %d layer(s), H=%d, V_d=%d, %.1fM trainable parameters", cfg.drafter.num_layers,
+                dims.hidden_size, dims.draft_vocab_size, n_train / 1e6)
+    return drafter
+
+
+def load_teacher_head(target_path: str) -> torch.Tensor:
+    """The target's lm_head [V_t, H_t] in fp32, frozen (final hidden states are stored after the final norm)."""
+    return load_target_head(target_path)["lm_head"].float().requires_grad_(False)
+
+
+def drafter_spec(cfg: RunConfig, drafter: Drafter, hf_cfg, target_path: str, aux_ids: list[int], method: str,
+                 mask_token_id: int | None = None) -> dict:
+    """Everything export/format.py needs besides the weights (one dict, saved as drafter.json)."""
+    d = drafter.dims
+    text_cfg = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
+    return {
+        "method": method, "arch": cfg.drafter.arch, "hidden_size": d.hidden_size,
+        "intermediate_size": d.intermediate_size, "num_attention_heads": d.num_heads,
+        "num_key_value_heads": d.num_kv_heads, "head_dim": d.head_dim, "rms_norm_eps": d.rms_norm_eps,
+        "rope_parameters": dict(d.rope_parameters), "max_position_embeddings": d.max_position_embeddings,
+        "vocab_size": d.vocab_size, "num_hidden_layers": cfg.drafter.num_layers,
+        "target_hidden_size": d.target_hidden_size, "draft_vocab_size": d.draft_vocab_size,
+        "aux_layer_ids": list(aux_ids), "fc_norm": cfg.drafter.fc_norm, "norm_output": cfg.drafter.norm_output,
+        "norm_before_fc": cfg.drafter.norm_before_fc, "norm_before_residual": cfg.drafter.norm_before_residual,
+        "mask_token_id": mask_token_id, "bos_token_id": getattr(text_cfg, "bos_token_id", None),
+        "eos_token_id": getattr(text_cfg, "eos_token_id", None),
+        "verifier": {"name_or_path": str(target_path), "architectures": list(hf_cfg.architectures or [])},
+    }

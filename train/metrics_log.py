@@ -1,0 +1,103 @@
+"""Training logs: one line per log step (fixed field order), metrics.jsonl, tensorboard, wandb when installed."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draftsmith.data.config import RunConfig, config_to_dict
+from draftsmith.train.loss import simulated_acceptance_length
+
+logger = logging.getLogger(__name__)
+
+
+def peak_memory_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+    except ImportError:
+        return float("nan")
+
+
+class MetricsLog:
+    def __init__(self, out_dir: Path, cfg: RunConfig, enabled: bool):
+        self.enabled, self.out = enabled, Path(out_dir)
+        self.tb = self.wandb = self.bar = None
+        if not enabled:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.out / "metrics.jsonl", "a")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(self.out / "tensorboard"))
+        if importlib.util.find_spec("wandb") is not None:
+            import wandb
+
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            self.wandb = wandb.init(project="draftsmith", name=cfg.name, dir=str(self.out), mode=mode,
+                                    config=config_to_dict(cfg), resume="allow")
+
+    def start(self, step: int) -> None:
+        self.t0, self.tokens, self.step0 = time.time(), 0, step
+        if self.enabled:
+            self.bar = tqdm(initial=step, total=None, desc="train", unit="step", dynamic_ncols=True)
+
+    def count_tokens(self, tokens: int) -> None:
+        self.tokens += tokens
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def _emit(self, record: dict) -> None:
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for k, v in record.items():
+            if isinstance(v, (int, float)) and k != "step":
+                self.tb.add_scalar(k, v, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(record, step=record["step"])
+
+    def train_line(self, step, totals, grad_norm, lr, tokens, max_steps) -> None:
+        self.count_tokens(tokens)
+        if not self.enabled:
+            return
+        acc = (totals["correct"] / totals["count"].clamp(min=1)).tolist()  # host sync only on log steps
+        loss = float(totals["loss"])
+        elapsed = time.time() - self.t0
+        tok_s = self.tokens / max(elapsed, 1e-9)
+        eta = (max_steps - step) * elapsed / max(step - self.step0, 1)
+        record = {"step": step, "loss": loss, "acc": [round(a, 4) for a in acc],
+                  "sim_al": float(simulated_acceptance_length(acc)), "lr": lr, "grad_norm": float(grad_norm),
+                  "tokens_per_s": tok_s, "peak_mem_gib": peak_memory_gib(), "eta_s": eta}
+        self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}")
+        logger.info("step %d | loss %.4f | acc %s | sim_al %.3f | lr %.2e | grad %.3f | %.0f tok/s | %.2f GiB | eta %.0fs",
+                    step, loss, " ".join(f"{a:.3f}" for a in acc), record["sim_al"], lr, record["grad_norm"],
+                    tok_s, record["peak_mem_gib"], eta)
+        self._emit(record)
+
+    def eval_line(self, step: int, result: dict) -> None:
+        if not self.enabled:
+            return
+        al = result["simulated_acceptance_length"]
+        logger.info("eval step %d | acc %s | sim_al %s", step,
+                    " ".join(f"{a:.3f}" for a in result["per_step_accuracy"]),
+                    " ".join(f"K{k}={v:.3f}" for k, v in al.items()))
+        record = {"step": step, "eval_acc": result["per_step_accuracy"], "eval_sim_al": al}
+        self._emit(record | {f"eval/sim_al_k{k}": v for k, v in al.items()})
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.bar.close()
+        self.jsonl.close()
+        self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
