@@ -1,0 +1,201 @@
+"""The drafter's tensor names and shapes (vLLM's), EAGLE-3.1 switches, RoPE and HF layer parity."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+from draftsmith.data.config import ConfigError, DrafterConfig
+from draftsmith.train.drafter import Drafter, RMSNorm, drafter_dims, init_drafter_from_target, rope_inv_freq
+
+H, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, V, V_D, N_AUX = 64, 4, 2, 16, 96, 48, 3
+EPS = 1e-6
+
+
+def tiny_target_config(**overrides) -> LlamaConfig:
+    fields = {"hidden_size": H, "intermediate_size": 128, "num_attention_heads": NUM_HEADS,
+              "num_key_value_heads": NUM_KV_HEADS, "vocab_size": V, "num_hidden_layers": 4,
+              "max_position_embeddings": 256, "rms_norm_eps": EPS}
+    return LlamaConfig(**(fields | overrides))
+
+
+def tiny_drafter(seed: int = 0, parallel_drafting: bool = False, **cfg_fields) -> Drafter:
+    cfg = DrafterConfig(**cfg_fields)
+    torch.manual_seed(seed)
+    drafter = Drafter(drafter_dims(tiny_target_config(), cfg, N_AUX, V_D), cfg, parallel_drafting=parallel_drafting)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    return drafter
+
+
+def shapes(module) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+
+def test_state_dict_is_the_vllm_tensor_set():
+    sd = tiny_drafter().state_dict()
+    assert {k: tuple(v.shape) for k, v in sd.items()} == {
+        "embed_tokens.weight": (V, H),
+        "fc.weight": (H, N_AUX * H),
+        "layers.0.input_layernorm.weight": (H,),
+        "layers.0.hidden_norm.weight": (H,),
+        "layers.0.self_attn.q_proj.weight": (NUM_HEADS * HEAD_DIM, 2 * H),
+        "layers.0.self_attn.k_proj.weight": (NUM_KV_HEADS * HEAD_DIM, 2 * H),
+        "layers.0.self_attn.v_proj.weight": (NUM_KV_HEADS * HEAD_DIM, 2 * H),
+        "layers.0.self_attn.o_proj.weight": (H, NUM_HEADS * HEAD_DIM),
+        "layers.0.post_attention_layernorm.weight": (H,),
+        "layers.0.mlp.gate_proj.weight": (128, H),
+        "layers.0.mlp.up_proj.weight": (128, H),
+        "layers.0.mlp.down_proj.weight": (H, 128),
+        "norm.weight": (H,),
+        "lm_head.weight": (V_D, H),
+        "d2t": (V_D,),
+        "t2d": (V,),
+    }
+    assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
+
+
+def test_later_layers_and_qwen3_tensors():
+    base = shapes(tiny_drafter())
+    two = shapes(tiny_drafter(num_layers=2))
+    layer1 = {k: v for k, v in two.items() if k.startswith("layers.1.")}
+    assert layer1 == {  # a plain Llama layer: q/k/v read H (not 2H), no hidden_norm
+        "layers.1.input_layernorm.weight": (H,),
+        "layers.1.self_attn.q_proj.weight": (NUM_HEADS * HEAD_DIM, H),
+        "layers.1.self_attn.k_proj.weight": (NUM_KV_HEADS * HEAD_DIM, H),
+        "layers.1.self_attn.v_proj.weight": (NUM_KV_HEADS * HEAD_DIM, H),
+        "layers.1.self_attn.o_proj.weight": (H, NUM_HEADS * HEAD_DIM),
+        "layers.1.post_attention_layernorm.weight": (H,),
+        "layers.1.mlp.gate_proj.weight": (128, H),
+        "layers.1.mlp.up_proj.weight": (128, H),
+        "layers.1.mlp.down_proj.weight": (H, 128),
+    }
+    assert {k: v for k, v in two.items() if not k.startswith("layers.1.")} == base
+    qwen3 = shapes(tiny_drafter(arch="qwen3"))
+    assert set(qwen3) - set(base) == {"layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight"}
+    assert qwen3["layers.0.self_attn.q_norm.weight"] == (HEAD_DIM,)
+
+
+def test_eagle31_flags_add_exactly_their_tensors():
+    base = shapes(tiny_drafter())
+    assert set(shapes(tiny_drafter(fc_norm=True))) - set(base) == {f"fc_norm.{i}.weight" for i in range(N_AUX)}
+    assert shapes(tiny_drafter(norm_before_fc=True)).keys() - base.keys() == {"input_norm.weight"}
+    assert shapes(tiny_drafter(norm_before_fc=True))["input_norm.weight"] == (N_AUX * H,)
+    assert shapes(tiny_drafter(norm_output=True)) == base
+    assert shapes(tiny_drafter(norm_before_residual=True)) == base
+    with pytest.raises(ConfigError, match="fc_norm and drafter.norm_before_fc"):
+        DrafterConfig(fc_norm=True, norm_before_fc=True)
+
+
+def test_fc_norm_normalises_each_aux_state_before_fc():
+    plain, normed = tiny_drafter(), tiny_drafter(fc_norm=True, seed=1)
+    missing = normed.load_state_dict(plain.state_dict(), strict=False).missing_keys
+    assert sorted(missing) == [f"fc_norm.{i}.weight" for i in range(N_AUX)]
+    aux = torch.randn(2, 5, N_AUX * H, dtype=torch.float64) * torch.tensor([1.0, 10.0, 100.0]).repeat_interleave(H)
+    plain, normed = plain.double(), normed.double()
+    chunks = [aux[..., i * H : (i + 1) * H] for i in range(N_AUX)]
+    weights = [normed.fc_norm[i].weight for i in range(N_AUX)]
+    expected = torch.cat([w * c / (c.pow(2).mean(-1, keepdim=True) + EPS).sqrt() for w, c in zip(weights, chunks)], -1)
+    with torch.no_grad():
+        torch.testing.assert_close(normed.combine_aux_hidden_states(aux), expected @ normed.fc.weight.T,
+                                   rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(plain.combine_aux_hidden_states(aux), aux @ plain.fc.weight.T, rtol=1e-12, atol=1e-12)
+        assert (normed.combine_aux_hidden_states(aux) - plain.combine_aux_hidden_states(aux)).abs().max() > 1.0
+
+
+def test_parallel_drafting_adds_a_trainable_mask_hidden_and_embeddings():
+    eagle3, peagle = tiny_drafter(), tiny_drafter(parallel_drafting=True)
+    assert shapes(peagle).keys() - shapes(eagle3).keys() == {"mask_hidden"}
+    assert peagle.mask_hidden.shape == (1, N_AUX * H) and peagle.mask_hidden.requires_grad
+    assert not eagle3.embed_tokens.weight.requires_grad and peagle.embed_tokens.weight.requires_grad
+
+
+def causal_attention(layer_idx, q, k, v):
+    group = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                          is_causal=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_later_layers_match_the_hf_decoder_layer(arch):
+    """Layers >= 1 are plain decoder layers: same names, same math as transformers' Llama / Qwen3 layer."""
+    drafter = tiny_drafter(num_layers=2, arch=arch).double()
+    common = {"hidden_size": H, "intermediate_size": 128, "num_attention_heads": NUM_HEADS, "head_dim": HEAD_DIM,
+              "num_key_value_heads": NUM_KV_HEADS, "rms_norm_eps": EPS, "attn_implementation": "eager"}
+    config = LlamaConfig(**common) if arch == "llama" else Qwen3Config(**common)
+    hf_layer = (LlamaDecoderLayer if arch == "llama" else Qwen3DecoderLayer)(config, layer_idx=1).double()
+    hf_layer.load_state_dict(drafter.layers[1].state_dict())
+    B, T = 2, 7
+    h = torch.randn(B, T, H, dtype=torch.float64)
+    positions = torch.arange(3, 3 + T).expand(B, T)
+    causal = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1).expand(B, 1, T, T)
+    with torch.no_grad():
+        cos, sin = drafter.rope_cos_sin(positions, torch.float64)
+        ours = drafter.layers[1](None, h, cos, sin, causal_attention)
+        hf_rope = LlamaRotaryEmbedding(LlamaConfig(**common)).double()
+        theirs = hf_layer(h, attention_mask=causal, position_embeddings=hf_rope(h, positions))
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_llama3_rope_matches_transformers():
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config = tiny_target_config(rope_parameters=rope, hidden_size=256, num_attention_heads=2)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = rope_inv_freq(128, rope)
+    torch.testing.assert_close(ours.float(), expected.float(), rtol=1e-6, atol=0)
+    plain = rope_inv_freq(128, {"rope_theta": 500000.0})
+    assert (ours != plain).any() and (ours[:4] == plain[:4]).all(), "llama3 scales low frequencies only"
+
+
+def test_drafter_dims_copy_the_target():
+    dims = drafter_dims(tiny_target_config(), DrafterConfig(), N_AUX, V_D)
+    assert (dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim) == (H, NUM_HEADS, NUM_KV_HEADS, 16)
+    assert (dims.vocab_size, dims.draft_vocab_size, dims.target_hidden_size, dims.num_aux) == (V, V_D, H, N_AUX)
+    assert dims.rope_parameters == {"rope_theta": 10000.0, "rope_type": "default"}
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+        drafter_dims(tiny_target_config(rope_parameters=yarn), DrafterConfig(), N_AUX, V_D)
+    with pytest.raises(ValueError, match="silu"):
+        drafter_dims(tiny_target_config(hidden_act="gelu"), DrafterConfig(), N_AUX, V_D)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        drafter_dims(tiny_target_config(), DrafterConfig(), N_AUX, V + 1)
+
+
+def test_init_drafter_from_target_copies_embeddings_and_vocab_maps():
+    drafter = tiny_drafter()
+    embed = torch.randn(V, H)
+    used = torch.arange(0, 2 * V_D, 2)  # draft ids -> even target ids
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    d2t = used - torch.arange(V_D)
+    init_drafter_from_target(drafter, embed, d2t, t2d)
+    assert torch.equal(drafter.embed_tokens.weight, embed) and torch.equal(drafter.d2t, d2t)
+    assert torch.equal(drafter.t2d, t2d)
+    with pytest.raises(ValueError, match="d2t has shape"):
+        init_drafter_from_target(drafter, embed, d2t[:-1], t2d)
+
+
+def test_rmsnorm_normalises_in_fp32_then_casts_back():
+    norm = RMSNorm(H, EPS).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.rand(H))
+    x = (torch.randn(3, H) * 50).to(torch.bfloat16)
+    x32 = x.float()
+    expected = norm.weight * (x32 / (x32.pow(2).mean(-1, keepdim=True) + EPS).sqrt()).to(torch.bfloat16)
+    assert torch.equal(norm(x), expected)
+
+
+def test_bfloat16_step_runs_and_keeps_dtype():
+    drafter = tiny_drafter(num_layers=2).to(torch.bfloat16)
+    B, T = 2, 6
+    hidden = drafter.combine_aux_hidden_states(torch.randn(B, T, N_AUX * H, dtype=torch.bfloat16))
+    positions = torch.arange(T).expand(B, T)
+    next_hidden, logits = drafter(torch.randint(0, V, (B, T)), hidden, positions, causal_attention)
+    assert next_hidden.dtype == logits.dtype == torch.bfloat16 and logits.shape == (B, T, V_D)
