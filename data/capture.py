@@ -90,6 +90,7 @@ def capture_to_shards(model, samples: list[dict], aux_layer_ids: list[int], data
     from draftsmith.data.shards import CapturedSample, finished_shard_entry, write_shard
 
     entries = []
+    device = next(model.parameters()).device
     chunks = [samples[i: i + samples_per_shard] for i in range(0, len(samples), samples_per_shard)]
     bar = tqdm(total=sum(len(s["input_ids"]) for s in samples), desc=f"capture {split}", unit="tok", unit_scale=True)
     start, done_tokens = time.time(), 0
@@ -100,7 +101,8 @@ def capture_to_shards(model, samples: list[dict], aux_layer_ids: list[int], data
             captured = [None] * len(chunk)
             for batch in length_batches([len(s["input_ids"]) for s in chunk], max_batch_tokens):
                 ids, mask = pad_batch([chunk[i]["input_ids"] for i in batch], pad_id)
-                aux, final = capture_aux_hidden_states(model, ids, mask, aux_layer_ids)
+                aux, final = capture_aux_hidden_states(model, ids.to(device), mask.to(device), aux_layer_ids)
+                aux, final = aux.cpu(), final.cpu()
                 for row, i in enumerate(batch):
                     t = len(chunk[i]["input_ids"])
                     captured[i] = CapturedSample(ids[row, :t], torch.tensor(chunk[i]["loss_mask"]),

@@ -65,7 +65,8 @@ class TransformersGenerator:
         kwargs = dict(do_sample=cfg.temperature > 0, max_new_tokens=cfg.max_new_tokens, pad_token_id=pad)
         if cfg.temperature > 0:
             kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p)
-        out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, t:]
+        device = self.model.device
+        out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)[:, t:].cpu()
         eos = self.tok.eos_token_id
         results = []
         for row in out.tolist():

@@ -127,7 +127,7 @@ def load_target_model(path: str, dtype: str):
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model.eval().requires_grad_(False)
-    return model
+    return model.to("cuda") if torch.cuda.is_available() else model
 
 
 def load_target_head(path: str) -> dict[str, torch.Tensor]:

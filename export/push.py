@@ -1,0 +1,48 @@
+"""Push the exported drafter to the Hugging Face Hub with a model card built from validation.json.
+
+Usage: python export/push.py --config smollm2-demo --repo-id ORG/NAME [--private] [--dry-run]
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import yaml
+
+from draftsmith.data.cli import build_arg_parser, parse_run_args, run_entry
+from draftsmith.data.manifest import read_json
+from draftsmith.export.hub import model_card, push_folder, stage_upload_folder
+
+logger = logging.getLogger("draftsmith.export.push")
+
+
+def main(argv=None) -> None:
+    parser = build_arg_parser(__doc__)
+    parser.add_argument("--repo-id", required=True, help="ORG/NAME on the Hub")
+    parser.add_argument("--private", action="store_true", help="create the repo private")
+    parser.add_argument("--dry-run", action="store_true", help="write the folder that would be uploaded and list it")
+    parser.add_argument("--drafter", default=None, help="exported folder (default: <output_dir>/drafter)")
+    cfg, args = parse_run_args(parser, argv)
+    if args.repo_id.count("/") != 1:
+        raise ValueError(f"--repo-id {args.repo_id!r} must look like ORG/NAME")
+    run = cfg.run_dir()
+    drafter_dir = Path(args.drafter) if args.drafter else run / "drafter"
+    validation = read_json(run / "validation.json", "validation report (run export/validate.py first)")
+    drafter_config = read_json(drafter_dir / "config.json", "exported drafter config")
+    train_cfg_path = run / "train" / "config.yaml"
+    train_config = yaml.safe_load(train_cfg_path.read_text()) if train_cfg_path.is_file() else {}
+    manifest_path = run / "dataset" / "manifest.json"
+    manifest = read_json(manifest_path) if manifest_path.is_file() else {}
+    card = model_card(args.repo_id, drafter_config, validation, train_config, manifest)
+    staging = run / "hub" / args.repo_id.replace("/", "--")
+    files = stage_upload_folder(drafter_dir, staging, card,
+                                [run / "validation.json", run / "validation.md", run / "validation-acceptance.png"])
+    print(f"{'would upload' if args.dry_run else 'uploading'} {staging} to {args.repo_id}:")
+    for f in files:
+        print(f"  {f.name:32s} {f.stat().st_size:>12,d} bytes")
+    if not args.dry_run:
+        print("pushed:", push_folder(staging, args.repo_id, args.private))
+
+
+if __name__ == "__main__":
+    run_entry(main)
