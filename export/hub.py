@@ -6,6 +6,8 @@ import os
 import shutil
 from pathlib import Path
 
+from draftsmith.data.target import public_target_name
+
 CARD_FILES = ("config.json", "model.safetensors")
 
 
@@ -33,7 +35,7 @@ def serve_command(verifier: str, repo_id: str, k: int, parallel: bool) -> str:
 def model_card(repo_id: str, drafter_config: dict, validation: dict, train_config: dict, manifest: dict) -> str:
     """README.md for the Hub repo; every figure comes from validation.json or the run's own files."""
     verifier = drafter_config.get("speculators_config", {}).get("verifier", {}).get("name_or_path", "?")
-    public_verifier = manifest.get("target", {}).get("name_or_path", verifier)
+    public_verifier = public_target_name(manifest.get("target", {}).get("name_or_path", verifier))
     method = drafter_config.get("speculators_model_type", validation.get("method", "eagle3"))
     k = int(validation.get("recommended_k") or validation.get("num_speculative_tokens") or 3)
     tps = validation.get("tokens_per_target_step") or {}

@@ -1,0 +1,57 @@
+"""The Hub push dry run: the exact upload folder, its file list, and a card built from validation.json."""
+import json
+
+import pytest
+
+from draftsmith.export import push
+
+VALIDATION = {"method": "eagle3", "num_speculative_tokens": 3, "acceptance_length": 2.1,
+              "acceptance_rate_per_position": [0.6, 0.35, 0.15], "lossless": True, "num_prompts": 48,
+              "acceptance_length_by_k": {"1": 1.6, "2": 1.95, "3": 2.1}, "recommended_k": 2,
+              "tokens_per_target_step": {"drafter": 2.05, "ngram": 1.4, "none": 1.0},
+              "output_tokens_per_s": {"with_drafter": 90.0, "without_drafter": 70.0}}
+
+
+def _run_dir(tmp_path):
+    run = tmp_path / "run"
+    (run / "drafter").mkdir(parents=True)
+    (run / "drafter" / "config.json").write_text(json.dumps({
+        "speculators_model_type": "eagle3", "draft_vocab_size": 16384, "eagle_aux_hidden_state_layer_ids": [2, 15, 27],
+        "transformer_layer_config": {"num_hidden_layers": 1, "hidden_size": 576},
+        "speculators_config": {"verifier": {"name_or_path": "/cache/smollm2"}}}))
+    (run / "drafter" / "model.safetensors").write_bytes(b"weights")
+    (run / "validation.json").write_text(json.dumps(VALIDATION))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({"output_dir": str(run)}))
+    return run, str(cfg)
+
+
+def test_dry_run_writes_the_upload_folder_and_lists_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    run, cfg = _run_dir(tmp_path)
+    push.main(["--config", cfg, "--repo-id", "me/smol-drafter", "--dry-run"])
+    out = capsys.readouterr().out
+    staged = run / "hub" / "me--smol-drafter"
+    assert sorted(p.name for p in staged.iterdir()) == ["README.md", "config.json", "model.safetensors",
+                                                        "validation.json"]
+    for name in ("README.md", "config.json", "model.safetensors", "validation.json"):
+        assert name in out
+    card = (staged / "README.md").read_text()
+    assert "| 3 | 2.100 | 0.150 |" in card  # the acceptance table comes from validation.json
+    assert '"num_speculative_tokens": 2' in card  # the recommended K goes into the serve line
+    assert "lossless" in card and "**True**" in card and "n-gram 1.400" in card
+
+
+def test_real_push_without_token_fails_before_network(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    _, cfg = _run_dir(tmp_path)
+    with pytest.raises(ValueError, match="HF_TOKEN"):
+        push.main(["--config", cfg, "--repo-id", "me/smol-drafter"])
+
+
+def test_missing_validation_report_is_a_clear_error(tmp_path):
+    run, cfg = _run_dir(tmp_path)
+    (run / "validation.json").unlink()
+    with pytest.raises(FileNotFoundError, match="run export/validate.py first"):
+        push.main(["--config", cfg, "--repo-id", "me/x", "--dry-run"])
