@@ -29,7 +29,9 @@ def normalize_conversation(record: dict, column: str = "") -> list[dict]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise ValueError(f"field '{field}' must be a prompt string or a non-empty list of turns, got {value!r:.80}")
+        raise ValueError(
+            f"field '{field}' must be a prompt string or a non-empty list of turns, got {value!r:.80}"
+        )
     return [_normalize_turn(turn, f"{field}[{i}]") for i, turn in enumerate(value)]
 
 
@@ -54,7 +56,7 @@ def _normalize_turn(turn: object, where: str) -> dict:
     if message["role"] == "assistant" and reasoning is not None:
         if not isinstance(reasoning, str):
             raise ValueError(f"{where}.reasoning_content must be a string, got {type(reasoning).__name__}")
-        pass
+        message["reasoning_content"] = reasoning
     return message
 
 
@@ -67,7 +69,7 @@ def render_with_loss_mask(tokenizer, messages: list[dict]) -> tuple[list[int], l
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(
             f"{type(tokenizer).__name__} is a slow tokenizer; the loss mask needs offset mappings, "
-            "which only fast (tokenizers-backed) tokenizers give: load it with AutoTokenizer and use_fast=True"
+            "which only fast (tokenizers-backed) tokenizers give: load it with AutoTokenizer (use_fast=True)"
         )
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = assistant_char_spans(text, messages, end_of_turn_marker(tokenizer))
@@ -82,15 +84,18 @@ def render_with_loss_mask(tokenizer, messages: list[dict]) -> tuple[list[int], l
 def end_of_turn_marker(tokenizer) -> str:
     """The text the template writes right after an assistant's content, through its first special token."""
     probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}]
-    tail = tokenizer.apply_chat_template(probe, tokenize=False).split(_PROBE, 1)[-1]
+    rendered = tokenizer.apply_chat_template(probe, tokenize=False)
+    if _PROBE not in rendered:
+        raise ValueError(f"the chat template does not render assistant content verbatim: {rendered!r:.200}")
+    tail = rendered.split(_PROBE, 1)[1]
     specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
     stripped = tail.lstrip()
     for token in sorted(specials, key=len, reverse=True):
         if token and stripped.startswith(token):
             return tail[: len(tail) - len(stripped) + len(token)]
     raise ValueError(
-        f"the chat template follows assistant content with {tail[:40]!r}, which does not start with a special "
-        "token; cannot tell which token ends an assistant turn"
+        f"the chat template follows assistant content with {tail[:40]!r}, which does not start with a "
+        "special token; cannot tell which token ends an assistant turn"
     )
 
 
@@ -146,7 +151,8 @@ def _include_think_block(text: str, marker: str, start: int) -> int:
     close_at = text.rfind(THINK_CLOSE, 0, start)
     if close_at == -1 or text[close_at + len(THINK_CLOSE) : start].strip():
         return start
-    # the block opens after the previous turn's end-of-turn marker (first <think> there: reasoning may quote it)
+    # the block opens after the previous turn's end-of-turn marker; take the first <think> after it,
+    # since the reasoning may quote the tag
     turn_start = text.rfind(marker, 0, close_at)
     open_at = text.find(THINK_OPEN, 0 if turn_start == -1 else turn_start + len(marker), close_at)
     return start if open_at == -1 else open_at
@@ -157,9 +163,8 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
     prompt = messages[:last]
     if not any(m["role"] == "user" for m in prompt):
-        raise ValueError(
-            f"conversation has no user message before its last assistant turn (roles: {[m['role'] for m in messages]})"
-        )
+        roles = [m["role"] for m in messages]
+        raise ValueError(f"conversation has no user message before its last assistant turn (roles: {roles})")
     return prompt
 
 
