@@ -52,13 +52,14 @@ def tokenize_samples(conversations: list[dict], tokenizer, max_seq_len: int) -> 
     return samples
 
 
-def conversations_for(split: str, records, tokenizer, target_path, cfg: RunConfig, out: Path) -> list[dict]:
+def regenerated_conversations(records, tokenizer, target_path, cfg: RunConfig, out: Path) -> list[dict]:
+    """All splits in one call, so the generation engine starts once."""
     if not cfg.data.regenerate.enabled:
         return records
     from draftsmith.data.regenerate import regenerate_responses
 
     return regenerate_responses(records, tokenizer, target_path, cfg.target.dtype, cfg.data.regenerate,
-                                out / f"regenerated-{split}.jsonl", cfg.data.max_seq_len)
+                                out / "regenerated.jsonl", cfg.data.max_seq_len)
 
 
 def build_vocab(out: Path, samples: list[dict], vocab_size: int, draft_vocab_size: int) -> None:
@@ -87,9 +88,9 @@ def main(argv=None) -> None:
     train, heldout = build_prompt_splits(cfg.data.prompts)
     write_jsonl(out / "prompts-train.jsonl", [{"messages": r["messages"]} for r in train])
     write_jsonl(out / "prompts-heldout.jsonl", [{"messages": r["messages"]} for r in heldout])
-    splits = {"train": train, "heldout": heldout}
-    samples = {s: tokenize_samples(conversations_for(s, recs, tokenizer, target_path, cfg, out), tokenizer,
-                                   cfg.data.max_seq_len) for s, recs in splits.items()}
+    convs = regenerated_conversations(train + heldout, tokenizer, target_path, cfg, out)
+    samples = {"train": tokenize_samples(convs[: len(train)], tokenizer, cfg.data.max_seq_len),
+               "heldout": tokenize_samples(convs[len(train):], tokenizer, cfg.data.max_seq_len)}
     from draftsmith.data.capture import capture_to_shards
 
     model = load_target_model(target_path, cfg.target.dtype)

@@ -79,9 +79,13 @@ class TransformersGenerator:
 class VllmGenerator:
     def __init__(self, target_path: str, dtype: str, max_model_len: int, seed: int):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        # vLLM drops torch to one thread unless OMP_NUM_THREADS is set
+        os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
         from vllm import LLM
 
-        self.llm = LLM(model=target_path, dtype=dtype, max_model_len=max_model_len, seed=seed)
+        # on the CPU, torch.compile of the engine costs minutes on 2 cores for a one-off generation job
+        eager = not torch.cuda.is_available()
+        self.llm = LLM(model=target_path, dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=eager)
 
     def generate(self, prompts: list[list[int]], cfg: RegenerateConfig) -> list[list[int]]:
         from vllm import SamplingParams
@@ -90,6 +94,11 @@ class VllmGenerator:
                             seed=cfg.seed)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
+
+    def close(self) -> None:
+        # the engine's worker processes spin on the CPU until shut down: stop them before capture starts
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
 
 
 def regenerate_responses(records: list[dict], tokenizer, target_path: str, target_dtype: str,
@@ -108,7 +117,11 @@ def regenerate_responses(records: list[dict], tokenizer, target_path: str, targe
         prompts = {i: render_generation_prompt(tokenizer, prompt_messages(records[i]["messages"])) for i in todo}
         gen = (VllmGenerator(target_path, target_dtype, max_seq_len, cfg.seed) if backend == "vllm"
                else TransformersGenerator(target_path, target_dtype, tokenizer))
-        _generate_in_batches(gen, todo, prompts, records, tokenizer, cfg, out_path, done)
+        try:
+            _generate_in_batches(gen, todo, prompts, records, tokenizer, cfg, out_path, done)
+        finally:
+            if hasattr(gen, "close"):
+                gen.close()
     return [done[i] for i in range(len(records))]
 
 

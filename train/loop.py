@@ -113,7 +113,9 @@ class Trainer:
 
     def save(self, eval_result: dict | None) -> None:
         if eval_result is not None:
-            score = eval_result["simulated_acceptance_length"].get(str(self.best_k), -1.0)
+            al = eval_result["simulated_acceptance_length"]
+            # the served K may exceed the steps trained; rank by the deepest K both cover
+            score = al[str(min(self.best_k, max(int(k) for k in al)))]
             if score > self.best and self.acc.is_main_process:
                 self.best = score
                 state = self.acc.unwrap_model(self.model).state_dict()
