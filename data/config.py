@@ -133,9 +133,18 @@ class PEagleConfig:
     down_sample_ratio_min: float = 0.2
     """COD floor r_min."""
     max_anchors: int = 1024
-    """Cap on loss-masked anchor positions per sample (0 = no cap)."""
+    """Cap on loss-masked anchor positions per packed row (0 = no cap)."""
     partition_elements: int = 4096
-    """Flattened elements per forward; longer samples are partitioned with gradient accumulation."""
+    """Flattened elements per forward; longer rows are partitioned with gradient accumulation."""
+
+    def __post_init__(self):
+        if self.num_depths < 2:
+            raise ConfigError(f"peagle.num_depths must be >= 2, got {self.num_depths}")
+        if not 0 < self.down_sample_ratio_min <= self.down_sample_ratio <= 1:
+            raise ConfigError("peagle ratios need 0 < down_sample_ratio_min <= down_sample_ratio <= 1, got "
+                              f"{self.down_sample_ratio_min} and {self.down_sample_ratio}")
+        if self.partition_elements < 1 or self.max_anchors < 0:
+            raise ConfigError("peagle.partition_elements must be >= 1 and peagle.max_anchors >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

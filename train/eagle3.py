@@ -8,12 +8,11 @@ import logging
 
 import torch
 
-from draftsmith.data.cli import build_arg_parser, log_run_header, parse_run_args, run_entry, save_resolved_config
+from draftsmith.data.cli import build_arg_parser, log_run_header, parse_run_args, run_entry
 from draftsmith.data.config import RunConfig
 from draftsmith.train.build import build_drafter, drafter_spec, load_checked_dataset, load_teacher_head
-from draftsmith.train.loop import Method, Trainer
-from draftsmith.train.loss import simulated_acceptance_length, teacher_from_final_hidden, ttt_loss
-from draftsmith.train.packing import eval_rows
+from draftsmith.train.loop import Method, build_accelerator, evaluate_rows, run_training
+from draftsmith.train.loss import teacher_from_final_hidden, ttt_loss
 from draftsmith.train.ttt import pick_attention_impl, shift_for_ttt, ttt_forward, ttt_step_masks
 
 logger = logging.getLogger("draftsmith.train.eagle3")
@@ -32,18 +31,6 @@ def ttt_row_loss(model, row: dict, teacher_weight, t2d, cfg: RunConfig, attentio
     return ttt_loss(logits, teacher_logits, step_masks, cfg.ttt.step_weight)
 
 
-def evaluate_rows(model, rows, loss_fn) -> dict:
-    """Per-step top-1 accuracy vs the target's argmax over held-out rows, and simulated AL for K = 1..J."""
-    correct = count = 0
-    for row in rows:
-        _, m = loss_fn(model, row)
-        correct, count = correct + m["correct"], count + m["count"]
-    acc = (correct / count.clamp(min=1)).tolist()
-    al = {str(k): round(float(simulated_acceptance_length(acc[:k])), 4) for k in range(1, len(acc) + 1)}
-    return {"per_step_accuracy": [round(a, 4) for a in acc], "simulated_acceptance_length": al,
-            "num_scored": count.tolist()}
-
-
 def build_method(cfg: RunConfig, model, hf_cfg, target_path, aux_ids, device) -> Method:
     teacher_weight = load_teacher_head(target_path).to(device)
     t2d = model.t2d.to(device)
@@ -56,33 +43,14 @@ def build_method(cfg: RunConfig, model, hf_cfg, target_path, aux_ids, device) ->
                   drafter_spec=drafter_spec(cfg, model, hf_cfg, target_path, aux_ids, "eagle3"))
 
 
-def build_accelerator(cfg: RunConfig):
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
-    mixed = "bf16" if torch.cuda.is_available() else "no"  # fp32 master weights either way
-    acc = Accelerator(mixed_precision=mixed)
-    set_seed(cfg.train.seed)
-    return acc
-
-
 def main(argv=None) -> None:
     cfg, args = parse_run_args(build_arg_parser(__doc__), argv)
     log_run_header("train/eagle3", args.config)
     train_ds, heldout_ds, aux_ids, target_path, hf_cfg = load_checked_dataset(cfg)
     acc = build_accelerator(cfg)
-    if acc.is_main_process:
-        save_resolved_config(cfg, cfg.run_dir() / "train" / "config.yaml")
     model = build_drafter(cfg, hf_cfg, target_path, aux_ids, parallel_drafting=False)
     method = build_method(cfg, model, hf_cfg, target_path, aux_ids, acc.device)
-    rows = eval_rows(heldout_ds, cfg.train.eval_max_samples, cfg.train.batch_tokens)
-    trainer = Trainer(cfg, acc, model, method, train_ds, rows)
-    try:
-        trainer.resume_if_possible()
-        trainer.train()
-    finally:
-        acc.end_training()
-
+    run_training(cfg, acc, model, method, train_ds, heldout_ds)
 
 if __name__ == "__main__":
     run_entry(main)

@@ -8,16 +8,17 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
+from draftsmith.data.cli import save_resolved_config
 from draftsmith.data.config import RunConfig, TrainConfig, config_sha256, config_to_dict
 from draftsmith.data.manifest import atomic_write_json
 from draftsmith.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_drafter_bundle
 from draftsmith.train.metrics_log import MetricsLog
-from draftsmith.train.packing import DataPosition, next_row
+from draftsmith.train.loss import simulated_acceptance_length
+from draftsmith.train.packing import DataPosition, eval_rows, next_row
 
 logger = logging.getLogger(__name__)
 
@@ -168,3 +169,38 @@ def diff_fields(a: dict, b: dict, prefix: str = "") -> list[str]:
             out.append(f"{prefix}{k} ({a.get(k)!r} -> {b.get(k)!r})")
     return out
 
+
+
+def evaluate_rows(model, rows, loss_fn) -> dict:
+    """Per-step top-1 accuracy vs the target's argmax over held-out rows, and simulated AL for K = 1..J."""
+    correct = count = 0
+    for row in rows:
+        _, m = loss_fn(model, row)
+        correct, count = correct + m["correct"], count + m["count"]
+    acc = (correct / count.clamp(min=1)).tolist()
+    al = {str(k): round(float(simulated_acceptance_length(acc[:k])), 4) for k in range(1, len(acc) + 1)}
+    return {"per_step_accuracy": [round(a, 4) for a in acc], "simulated_acceptance_length": al,
+            "num_scored": count.tolist()}
+
+
+def build_accelerator(cfg: RunConfig):
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    mixed = "bf16" if torch.cuda.is_available() else "no"  # fp32 master weights either way
+    acc = Accelerator(mixed_precision=mixed)
+    set_seed(cfg.train.seed)
+    return acc
+
+
+def run_training(cfg: RunConfig, accelerator, model, method: Method, train_ds, heldout_ds) -> None:
+    """Resume (when the run folder holds a checkpoint), train to the end, and close the accelerator."""
+    if accelerator.is_main_process:
+        save_resolved_config(cfg, cfg.run_dir() / "train" / "config.yaml")
+    rows = eval_rows(heldout_ds, cfg.train.eval_max_samples, cfg.train.batch_tokens)
+    trainer = Trainer(cfg, accelerator, model, method, train_ds, rows)
+    try:
+        trainer.resume_if_possible()
+        trainer.train()
+    finally:
+        accelerator.end_training()

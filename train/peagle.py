@@ -10,13 +10,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from draftsmith.data.cli import (build_arg_parser, log_run_header, parse_run_args, run_entry,
-                                 save_resolved_config)
+from draftsmith.data.cli import build_arg_parser, log_run_header, parse_run_args, run_entry
 from draftsmith.data.config import RunConfig
 from draftsmith.train.build import build_drafter, drafter_spec, load_checked_dataset, load_teacher_head
-from draftsmith.train.eagle3 import build_accelerator, evaluate_rows
-from draftsmith.train.loop import Method, Trainer
-from draftsmith.train.packing import eval_rows
+from draftsmith.train.loop import Method, build_accelerator, evaluate_rows, run_training
 from draftsmith.train.parallel import (ParallelSetup, all_chain_elements, cod_sample, parallel_loss,
                                        shift_parallel_row)
 from draftsmith.train.ttt import pick_attention_impl
@@ -117,19 +114,10 @@ def main(argv=None) -> None:
     check_peagle_config(cfg)
     train_ds, heldout_ds, aux_ids, target_path, hf_cfg = load_checked_dataset(cfg)
     acc = build_accelerator(cfg)
-    if acc.is_main_process:
-        save_resolved_config(cfg, cfg.run_dir() / "train" / "config.yaml")
     model = build_drafter(cfg, hf_cfg, target_path, aux_ids, parallel_drafting=True)
     mask_token_id = choose_mask_token_id(target_path, [train_ds, heldout_ds], model.dims.vocab_size)
     method = build_method(cfg, model, hf_cfg, target_path, aux_ids, acc.device, mask_token_id)
-    rows = eval_rows(heldout_ds, cfg.train.eval_max_samples, cfg.train.batch_tokens)
-    trainer = Trainer(cfg, acc, model, method, train_ds, rows)
-    try:
-        trainer.resume_if_possible()
-        trainer.train()
-    finally:
-        acc.end_training()
-
+    run_training(cfg, acc, model, method, train_ds, heldout_ds)
 
 if __name__ == "__main__":
     run_entry(main)

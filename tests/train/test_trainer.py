@@ -1,12 +1,12 @@
 """A real few-step EAGLE-3 training run on a tiny target: the loss falls, resume is exact, bad inputs refused."""
 import json
-import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from draftsmith.train import eagle3
+from draftsmith.train.loop import Trainer
 
 
 def _metrics(run_dir):
@@ -37,17 +37,17 @@ def test_kill_at_step_ten_then_resume_matches_uninterrupted(tiny_run, tmp_path, 
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     cfg = tiny_run(resumed)
-    real_train_step = eagle3.Trainer.train_step
+    real_train_step = Trainer.train_step
 
     def dying_train_step(self):
         if self.step == 12:  # after the step-10 checkpoint, mid-way to the next one
             raise _Killed()
         return real_train_step(self)
 
-    monkeypatch.setattr(eagle3.Trainer, "train_step", dying_train_step)
+    monkeypatch.setattr(Trainer, "train_step", dying_train_step)
     with pytest.raises(_Killed):
         eagle3.main(["--config", cfg, "train.eval_every=100"])
-    monkeypatch.setattr(eagle3.Trainer, "train_step", real_train_step)
+    monkeypatch.setattr(Trainer, "train_step", real_train_step)
     ckpts = sorted(p.name for p in (resumed / "run" / "train" / "checkpoints").iterdir())
     assert ckpts == ["step-0000010"]
     eagle3.main(["--config", cfg, "train.eval_every=100"])
