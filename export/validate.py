@@ -1,0 +1,292 @@
+"""Serve an exported drafter in vLLM and prove it (DESIGN section 7): acceptance per position, greedy outputs
+identical to the target alone, speed, and vLLM's n-gram method as the free baseline to beat.
+
+Every requested K is served (largest first, so a drafter vLLM refuses fails before the baseline starts); the
+per-position rates of the largest K also predict the acceptance length of every smaller K.
+Writes <run_dir>/validation.json, validation.md and validation-acceptance.png.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from draftsmith.data.chat import normalize_conversation, prompt_messages, render_generation_prompt
+from draftsmith.data.cli import build_arg_parser, git_commit, log_run_header, parse_run_args, run_entry
+from draftsmith.data.manifest import atomic_write_bytes, atomic_write_json, read_json
+from draftsmith.data.target import load_target_config, load_tokenizer, resolve_target_path
+from draftsmith.export import serve
+from draftsmith.export.serve import ServedRun, ServerError
+
+logger = logging.getLogger("draftsmith.export.validate")
+
+MISMATCH_TOLERANCE = 0.10
+"""Relative gap between the trainer's simulated acceptance length and the served one that triggers a warning."""
+
+
+def parse_args(argv):
+    p = build_arg_parser(__doc__)
+    p.add_argument("--drafter", help="exported drafter folder (default: <run_dir>/drafter)")
+    p.add_argument("--target", help="target folder or Hub id (default: the config's target.name_or_path)")
+    p.add_argument("--prompts", help="JSONL of {messages}, {conversations} or {prompt} (default: held-out prompts)")
+    p.add_argument("--num-speculative-tokens", type=int, nargs="+", help="K values to serve (default: config)")
+    cfg, args = parse_run_args(p, argv)
+    if args.num_speculative_tokens:
+        export = dataclasses.replace(cfg.export, num_speculative_tokens=tuple(args.num_speculative_tokens))
+        cfg = dataclasses.replace(cfg, export=export)
+    if min(cfg.export.num_speculative_tokens, default=0) < 1:
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {list(cfg.export.num_speculative_tokens)}")
+    return cfg, args
+
+
+def check_drafter_fits_target(drafter_dir: Path, target_path: str) -> dict:
+    """Refuse, before any server starts, a drafter whose config disagrees with the target's dimensions."""
+    if not drafter_dir.is_dir():
+        raise FileNotFoundError(f"drafter folder {drafter_dir} does not exist: export the drafter or pass --drafter")
+    drafter = read_json(drafter_dir / "config.json", "drafter config")
+    target = load_target_config(target_path).get_text_config()
+    legacy = "speculators_model_type" not in drafter  # legacy EAGLE-3: a plain Llama config (DESIGN section 6)
+    layer = drafter if legacy else drafter.get("transformer_layer_config", {})
+    aux = (drafter.get("eagle_config") or {}) if legacy else drafter
+    found = {"target_hidden_size": drafter.get("target_hidden_size", layer.get("hidden_size")),
+             "transformer_layer_config.vocab_size": layer.get("vocab_size")}
+    wanted = {"target_hidden_size": target.hidden_size, "transformer_layer_config.vocab_size": target.vocab_size}
+    for key, value in found.items():
+        if value != wanted[key]:
+            raise ValueError(f"drafter {drafter_dir} does not fit target {target_path}: {key} = {value} but the "
+                             f"target has {wanted[key]}; export the drafter for this target or pass --target")
+    aux_ids = aux.get("eagle_aux_hidden_state_layer_ids") or []
+    if any(not 0 <= i < target.num_hidden_layers for i in aux_ids):
+        raise ValueError(f"drafter {drafter_dir} does not fit target {target_path}: eagle_aux_hidden_state_layer_ids "
+                         f"= {aux_ids} but the target has {target.num_hidden_layers} layers (ids must be below it)")
+    return {"method": drafter.get("speculators_model_type", "eagle3"), "aux_layer_ids": aux_ids}
+
+
+def load_prompt_ids(path: Path, limit: int, tokenizer) -> list[list[int]]:
+    """The first `limit` (0 = all) conversations of a JSONL file as generation-prompt token ids."""
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist: run data/build.py first or pass --prompts")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = lines[:limit] if limit else lines
+    prompts = []
+    for lineno, line in enumerate(lines, 1):
+        try:
+            messages = prompt_messages(normalize_conversation(json.loads(line)))
+            prompts.append(render_generation_prompt(tokenizer, messages))
+        except ValueError as e:  # JSONDecodeError included
+            raise ValueError(f"{path}:{lineno}: {e}") from None
+    if not prompts:
+        raise ValueError(f"prompt file {path} holds no prompts")
+    return prompts
+
+
+def serve_all(cfg, target: str, drafter_dir: Path, parallel: bool, prompts: list[list[int]]) -> dict[str, ServedRun]:
+    """One server per method: the drafter at every K (largest first), no drafter, then n-gram at the largest K."""
+    ks = sorted(set(cfg.export.num_speculative_tokens), reverse=True)
+    plan = [(f"drafter-k{k}", serve.drafter_spec_config(drafter_dir, k, parallel)) for k in ks]
+    plan.append(("none", None))
+    if cfg.export.ngram_baseline:
+        plan.append((f"ngram-k{ks[0]}", serve.ngram_spec_config(ks[0])))
+    return {label: serve.measure_served_run(
+        target, label, spec, prompts, max_tokens=cfg.export.max_tokens, concurrency=cfg.export.concurrency,
+        log_dir=cfg.run_dir() / "logs", dtype=cfg.target.dtype, start_timeout_s=cfg.export.server_start_timeout_s)
+        for label, spec in plan}
+
+
+def summarize_run(run: ServedRun, k: int, baseline: ServedRun) -> dict:
+    mismatch = serve.first_mismatch(baseline.token_ids, run.token_ids)
+    return {"num_speculative_tokens": k, "acceptance_length": serve.acceptance_length(run.delta),
+            "acceptance_rate_per_position": serve.acceptance_rates(run.delta),
+            "tokens_per_target_step": serve.tokens_per_target_step(run.output_tokens, run.delta.accepted),
+            "output_tokens_per_s": run.output_tokens_per_s, "step_time_ms": 1e3 * run.step_time_s,
+            "output_tokens": run.output_tokens, "lossless": mismatch is None,
+            "first_mismatch": mismatch and {"prompt_index": mismatch[0], "token_position": mismatch[1]},
+            "server_start_s": run.start_s}
+
+
+def check_train_serve(run_dir: Path, k: int, served_al: float, default_prompts: bool) -> dict:
+    """Compare the trainer's simulated acceptance length at K with the served one; flag a gap over 10%."""
+    path = run_dir / "train" / "eval_heldout.json"
+    if not default_prompts or not path.is_file():
+        why = "custom --prompts" if not default_prompts else f"{path} not found"
+        return {"checked": False, "reason": why, "mismatch": False}
+    simulated = read_json(path, "trainer eval").get("simulated_acceptance_length", {}).get(str(k))
+    if simulated is None:
+        return {"checked": False, "reason": f"{path} has no simulated acceptance length at K={k}", "mismatch": False}
+    gap = abs(served_al - simulated) / simulated
+    block = {"checked": True, "train_simulated_acceptance_length": simulated, "served_acceptance_length": served_al,
+             "relative_difference": gap, "tolerance": MISMATCH_TOLERANCE, "mismatch": gap > MISMATCH_TOLERANCE}
+    if block["mismatch"]:
+        logger.warning("TRAIN/SERVE MISMATCH: the trainer simulated acceptance length %.3f at K=%d on the held-out "
+                       "prompts, vLLM served %.3f (%.0f%% apart): check aux layer ids, chat template, norms, vocab",
+                       simulated, k, served_al, 100 * gap)
+    return block
+
+
+def build_report(cfg, runs: dict[str, ServedRun], drafter: dict, drafter_dir: Path, target: str,
+                 default_prompts: bool) -> dict:
+    base = runs["none"]
+    ks = sorted(set(cfg.export.num_speculative_tokens))
+    entries = [summarize_run(runs[f"drafter-k{k}"], k, base) for k in ks]
+    top = entries[-1]  # the largest K: its per-position rates cover every smaller K
+    ngram = runs.get(f"ngram-k{ks[-1]}")
+    ngram_block = summarize_run(ngram, ks[-1], base) if ngram else None
+    c0, c_draft = serve.fit_step_cost([(0, base.step_time_s)] + [(e["num_speculative_tokens"],
+                                                                  e["step_time_ms"] / 1e3) for e in entries])
+    best_k, speed = serve.recommend_k(top["acceptance_rate_per_position"], c0, c_draft)
+    return {
+        "method": drafter["method"], "drafter_dir": str(drafter_dir), "target": target,
+        **{key: top[key] for key in ("num_speculative_tokens", "acceptance_length", "acceptance_rate_per_position",
+                                     "first_mismatch")},
+        "lossless": all(e["lossless"] for e in entries) and (ngram_block is None or ngram_block["lossless"]),
+        "lossless_by_method": {"drafter": all(e["lossless"] for e in entries),
+                               "ngram": ngram_block and ngram_block["lossless"]},
+        "num_prompts": len(base.token_ids), "max_tokens": cfg.export.max_tokens, "concurrency": cfg.export.concurrency,
+        "output_tokens_per_s": {"with_drafter": top["output_tokens_per_s"], "without_drafter": base.output_tokens_per_s,
+                                "ngram": ngram_block and ngram_block["output_tokens_per_s"]},
+        "acceptance_length_by_k": {str(k): v for k, v in
+                                   serve.acceptance_length_by_k(top["acceptance_rate_per_position"]).items()},
+        "tokens_per_target_step": {"drafter": top["tokens_per_target_step"],
+                                   "none": serve.tokens_per_target_step(base.output_tokens, base.delta.accepted),
+                                   "ngram": ngram_block and ngram_block["tokens_per_target_step"]},
+        "step_time_ms": {"none": 1e3 * base.step_time_s, "drafter": top["step_time_ms"]},
+        "recommended_k": best_k,
+        "cost_model": {"c0_ms": 1e3 * c0, "c_draft_ms": 1e3 * c_draft,
+                       "expected_speedup_by_k": {str(k): v / speed[0] for k, v in speed.items()}},
+        "ngram": ngram_block,
+        "train_serve_mismatch": check_train_serve(cfg.run_dir(), top["num_speculative_tokens"],
+                                                  top["acceptance_length"], default_prompts),
+        "server_start_s": {label: run.start_s for label, run in runs.items()},
+        "entries": entries if len(entries) > 1 else None,
+        "versions": versions(),
+    }
+
+
+def versions() -> dict:
+    import platform
+
+    import torch
+    import transformers
+    from draftsmith.export.vllm_cli import vllm_version_aware
+
+    return {"vllm": vllm_version_aware("vllm"), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "draftsmith_commit": git_commit()}
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _methods_table(r: dict) -> list[str]:
+    rows = [("none", 0, 1.0, 1.0, r["output_tokens_per_s"]["without_drafter"], r["step_time_ms"]["none"], "reference")]
+    entries = r["entries"] or [{
+        "num_speculative_tokens": r["num_speculative_tokens"], "acceptance_length": r["acceptance_length"],
+        "tokens_per_target_step": r["tokens_per_target_step"]["drafter"], "step_time_ms": r["step_time_ms"]["drafter"],
+        "output_tokens_per_s": r["output_tokens_per_s"]["with_drafter"],
+        "lossless": r["lossless_by_method"]["drafter"]}]
+    named = [(r["method"], e) for e in entries] + ([("ngram", r["ngram"])] if r["ngram"] else [])
+    rows += [(name, e["num_speculative_tokens"], e["acceptance_length"], e["tokens_per_target_step"],
+              e["output_tokens_per_s"], e["step_time_ms"], e["lossless"]) for name, e in named]
+    return ["| method | K | acceptance length | tokens / target step | output tokens/s | step ms | lossless |",
+            "|---|---|---|---|---|---|---|"] + [
+        f"| {m} | {k} | {_fmt(al)} | {_fmt(tps)} | {_fmt(tok, '.1f')} | {_fmt(ms, '.1f')} | {ok} |"
+        for m, k, al, tps, tok, ms, ok in rows]
+
+
+def _positions_table(r: dict) -> list[str]:
+    k = r["num_speculative_tokens"]
+    series = [(r["method"], r["acceptance_rate_per_position"])]
+    series += [("ngram", r["ngram"]["acceptance_rate_per_position"])] if r["ngram"] else []
+    return ["| position | " + " | ".join(map(str, range(k))) + " |", "|---" * (k + 1) + "|"] + [
+        f"| {name} | " + " | ".join(_fmt(x) for x in rates) + " |" for name, rates in series]
+
+
+def render_markdown(r: dict) -> str:
+    cm, best = r["cost_model"], r["recommended_k"]
+    by_k = ", ".join(f"K={k}: {_fmt(v)}" for k, v in r["acceptance_length_by_k"].items())
+    lines = [f"# Validation of `{r['drafter_dir']}`", "",
+             (f"Target `{r['target']}`; {r['num_prompts']} prompts, greedy, max_tokens {r['max_tokens']}, "
+              f"concurrency {r['concurrency']}; vLLM {r['versions']['vllm']}."), "", *_methods_table(r), "",
+             f"Per-position acceptance at K={r['num_speculative_tokens']}:", "", *_positions_table(r), "",
+             f"Acceptance length predicted from those rates: {by_k}.", "",
+             (f"**Recommended K: {best}** (K=0: no drafter), from step time {_fmt(cm['c0_ms'])} ms + K x "
+              f"{_fmt(cm['c_draft_ms'])} ms; expected speed-up {_fmt(cm['expected_speedup_by_k'][str(best)])}x.")]
+    mismatch = r["train_serve_mismatch"]
+    if mismatch["mismatch"]:
+        lines += ["", (f"**Warning: train/serve mismatch**: the trainer simulated acceptance length "
+                       f"{_fmt(mismatch['train_simulated_acceptance_length'])}, vLLM served "
+                       f"{_fmt(mismatch['served_acceptance_length'])}.")]
+    if not r["lossless"]:
+        lines += ["", "**Warning: outputs differ from the target alone** (first_mismatch in validation.json)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_acceptance(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [(f"{r['method']} (AL {r['acceptance_length']:.2f})", r["acceptance_rate_per_position"])]
+    if r["ngram"]:
+        series.append((f"ngram (AL {r['ngram']['acceptance_length']:.2f})", r["ngram"]["acceptance_rate_per_position"]))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.8 / len(series)
+    for j, (name, rates) in enumerate(series):
+        ax.bar([i + j * width for i in range(len(rates))], rates, width, label=name)
+    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1),
+           title=f"Served per-position acceptance, K={r['num_speculative_tokens']}")
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(r["num_speculative_tokens"])],
+                  range(r["num_speculative_tokens"]))
+    ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def print_summary(r: dict, run_dir: Path) -> None:
+    tok = r["output_tokens_per_s"]
+    ngram = f", ngram {r['ngram']['acceptance_length']:.2f}" if r["ngram"] else ""
+    print(f"{r['method']} K={r['num_speculative_tokens']}: acceptance length {r['acceptance_length']:.3f}{ngram}; "
+          f"lossless {r['lossless']}; {tok['with_drafter']:.1f} vs {tok['without_drafter']:.1f} output tokens/s "
+          f"without drafter; recommended K {r['recommended_k']}"
+          + ("; TRAIN/SERVE MISMATCH" if r["train_serve_mismatch"]["mismatch"] else ""))
+    print(f"report: {run_dir / 'validation.md'}")
+
+
+def main(argv=None) -> None:
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwind: stop servers
+    try:
+        run_validation(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_validation(argv) -> None:
+    cfg, args = parse_args(argv)
+    log_run_header("export/validate", args.config)
+    run_dir = cfg.run_dir()
+    drafter_dir = Path(args.drafter) if args.drafter else run_dir / "drafter"
+    target = args.target or resolve_target_path(cfg.target.name_or_path)
+    drafter = check_drafter_fits_target(drafter_dir, target)
+    prompts_path = Path(args.prompts) if args.prompts else cfg.dataset_dir() / "prompts-heldout.jsonl"
+    prompts = load_prompt_ids(prompts_path, cfg.export.num_validation_prompts, load_tokenizer(target))
+    runs = serve_all(cfg, target, drafter_dir, drafter["method"] == "peagle", prompts)
+    report = build_report(cfg, runs, drafter, drafter_dir, target, default_prompts=args.prompts is None)
+    atomic_write_json(run_dir / "validation.json", report)
+    atomic_write_bytes(run_dir / "validation.md", render_markdown(report).encode())
+    plot_acceptance(report, run_dir / "validation-acceptance.png")
+    print_summary(report, run_dir)
+
+
+if __name__ == "__main__":
+    try:
+        run_entry(main)
+    except ServerError as e:  # vLLM's own error text, without a Python traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,302 @@
+"""export/validate.py and export/serve.py: /metrics arithmetic, the pre-flight drafter check, and (slow) real
+vLLM servers on the SmolLM2 target with a random drafter: lossless outputs, teardown on a drafter vLLM refuses.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.data.cli import run_entry
+from draftsmith.export import format as fmt
+from draftsmith.export import serve, validate
+from draftsmith.export.write import write_drafter_folder
+
+METRICS_BEFORE = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 10.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="target"} 5.0
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="target"} 1.7646e+09
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="target"} 30.0
+vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="target"} 15.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="target"} 12.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="target"} 3.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="0"} 7.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="1"} 4.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="2"} 1.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="target",position="0"} 2.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="target",position="1"} 1.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="target",position="2"} 0.0
+vllm:generation_tokens_total{engine="0",model_name="target"} 99.0
+"""
+# 100 more drafts; 60, 30, 10 more accepted at positions 0, 1, 2
+METRICS_AFTER = (METRICS_BEFORE.replace('"0",model_name="target"} 10.0', '"0",model_name="target"} 110.0')
+                 .replace("} 30.0", "} 330.0").replace('} 12.0', '} 112.0')
+                 .replace('position="0"} 7.0', 'position="0"} 67.0').replace('position="1"} 4.0', 'position="1"} 34.0')
+                 .replace('position="2"} 1.0', 'position="2"} 11.0'))
+
+
+def test_parse_spec_counters_sums_engines():
+    c = serve.parse_spec_counters(METRICS_BEFORE)
+    assert (c.drafts, c.draft_tokens, c.accepted) == (15.0, 45.0, 15.0)
+    assert c.accepted_per_pos == (9.0, 5.0, 1.0)
+
+
+def test_parse_spec_counters_without_speculation_is_zero():
+    c = serve.parse_spec_counters('vllm:generation_tokens_total{engine="0",model_name="target"} 99.0\n')
+    assert c == serve.SpecCounters()
+    assert serve.acceptance_length(c) == 1.0
+
+
+def test_counter_delta_gives_acceptance():
+    delta = serve.parse_spec_counters(METRICS_AFTER) - serve.parse_spec_counters(METRICS_BEFORE)
+    assert (delta.drafts, delta.draft_tokens, delta.accepted) == (100.0, 300.0, 100.0)
+    assert delta.accepted_per_pos == (60.0, 30.0, 10.0)
+    assert serve.acceptance_length(delta) == pytest.approx(2.0)
+    assert serve.acceptance_rates(delta) == pytest.approx([0.6, 0.3, 0.1])
+    # 500 output tokens of which 100 came from accepted drafts: 400 target steps
+    assert serve.tokens_per_target_step(500, delta.accepted) == pytest.approx(1.25)
+    assert serve.tokens_per_target_step(500, 0) == 1.0
+
+
+def test_acceptance_length_by_k_is_prefix_sum():
+    assert serve.acceptance_length_by_k([0.6, 0.3, 0.1]) == pytest.approx({1: 1.6, 2: 1.9, 3: 2.0})
+
+
+def test_fit_step_cost_and_recommended_k():
+    # 10 ms without drafting, 22 ms with K=3: c0 = 10 ms, c_draft = 4 ms
+    c0, c_draft = serve.fit_step_cost([(0, 0.010), (3, 0.022)])
+    assert (c0, c_draft) == (pytest.approx(0.010), pytest.approx(0.004))
+    # tokens per ms: K=0 1/10 = .1, K=1 1.6/14 = .1143, K=2 1.9/18 = .1056, K=3 2.0/22 = .0909
+    best, speed = serve.recommend_k([0.6, 0.3, 0.1], c0, c_draft)
+    assert best == 1
+    assert speed[1] == pytest.approx(1.6 / 0.014)
+    assert serve.recommend_k([0.0, 0.0, 0.0], c0, c_draft)[0] == 0  # a useless drafter: do not draft
+    assert serve.recommend_k([0.95, 0.9, 0.85], c0, c_draft)[0] == 3
+    # a drafter measured faster than no drafter (noise) costs nothing rather than less than nothing
+    assert serve.fit_step_cost([(0, 0.010), (3, 0.009)]) == (pytest.approx(0.0095), 0.0)
+
+
+def test_first_mismatch():
+    assert serve.first_mismatch([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) is None
+    assert serve.first_mismatch([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]) == (1, 1)
+    assert serve.first_mismatch([[1, 2, 3]], [[1, 2]]) == (0, 2)
+
+
+def test_error_excerpt_quotes_vllm_exception(tmp_path):
+    log = tmp_path / "vllm-x.log"
+    log.write_text("(APIServer pid=6) WARNING 11-29 11:19:59 [system_utils.py:255] can cause `OSError: [Errno 24]`\n"
+                   "(Worker pid=8) ERROR 11-29 11:21:14 [multiproc_executor.py:953] safetensors_rust.SafetensorError: "
+                   "Error while deserializing header: HeaderTooLarge\n"
+                   "(EngineCore pid=7) ERROR 11-29 11:21:19 [core.py:1510] Exception: WorkerProc failed\n"
+                   "Exception: WorkerProc failed\nRuntimeError: Engine core initialization failed.\n")
+    excerpt = serve.vllm_error_excerpt(log)
+    assert excerpt.startswith("safetensors_rust.SafetensorError: Error while deserializing header: HeaderTooLarge; "
+                              "Exception: WorkerProc failed; RuntimeError: Engine core initialization failed.\n")
+
+
+# ---- the pre-flight check (no server) --------------------------------------------------------------------
+
+
+def _write_yaml(tmp_path: Path, run_dir: Path, export: str = "") -> Path:
+    # a first-ever torch.compile on a busy 2-core machine can take many minutes
+    path = tmp_path / "validate-test.yaml"
+    path.write_text(f"output_dir: {run_dir}\ntarget:\n  name_or_path: smollm2\n"
+                    f"export:\n  server_start_timeout_s: 1800\n{export}")
+    return path
+
+
+def _tiny_target(path: Path) -> Path:
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=1000).save_pretrained(path)
+    return path
+
+
+def test_mismatched_drafter_is_refused_before_any_server(tmp_path, capsys):
+    target = _tiny_target(tmp_path / "target")
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({
+        "speculators_model_type": "eagle3", "target_hidden_size": 576,
+        "transformer_layer_config": {"model_type": "llama", "hidden_size": 64, "vocab_size": 1000}}))
+    cfg = _write_yaml(tmp_path, tmp_path / "run")
+    with pytest.raises(SystemExit) as e:
+        run_entry(validate.main, ["--config", str(cfg), "--target", str(target), "--drafter", str(drafter)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "target_hidden_size = 576" in err and "target has 64" in err, err
+    assert not (tmp_path / "run" / "logs").exists(), "a vLLM server was started"
+
+
+def test_aux_ids_beyond_target_layers_are_refused(tmp_path):
+    target = _tiny_target(tmp_path / "target")
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({
+        "speculators_model_type": "eagle3", "target_hidden_size": 64, "eagle_aux_hidden_state_layer_ids": [1, 2, 4],
+        "transformer_layer_config": {"model_type": "llama", "hidden_size": 64, "vocab_size": 1000}}))
+    with pytest.raises(ValueError, match=r"\[1, 2, 4\] but the target has 4 layers"):
+        validate.check_drafter_fits_target(drafter, str(target))
+
+
+# ---- real vLLM servers (slow: 4 server starts, about 6-8 minutes on 2 cores) -------------------------------
+
+
+def _random_drafter(target_dir: Path, out: Path) -> Path:
+    """A random 1-layer EAGLE-3 drafter for the target, written by the exporter in the speculators format."""
+    tc = json.loads((target_dir / "config.json").read_text())
+    spec = {key: tc[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                     "head_dim", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
+                                     "vocab_size", "bos_token_id", "eos_token_id")}
+    spec.update(method="eagle3", arch="llama", num_hidden_layers=1, target_hidden_size=tc["hidden_size"],
+                draft_vocab_size=tc["vocab_size"], aux_layer_ids=[2, 15, 27], fc_norm=False, norm_output=False,
+                norm_before_fc=False, norm_before_residual=False, mask_token_id=None,
+                verifier={"name_or_path": str(target_dir), "architectures": tc["architectures"]})
+    g = torch.Generator().manual_seed(0)
+    tensors = {name: 0.02 * torch.randn(shape, generator=g) for name, (shape, _) in fmt.expected_tensors(spec).items()}
+    return write_drafter_folder(tensors, spec, out, "speculators", "bfloat16", num_speculative_tokens=3)
+
+
+def _processes_with_marker(marker: str) -> list[int]:
+    """Pids whose environment carries `marker`: every process a test's servers started inherits it."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return [p for p in found if p != os.getpid()]
+
+
+@pytest.fixture
+def server_marker(monkeypatch):
+    marker = f"draftsmith-test-{uuid.uuid4().hex}"
+    monkeypatch.setenv("DRAFTSMITH_TEST_MARKER", marker)
+    return marker
+
+
+@pytest.fixture(scope="module")
+def target_dir() -> Path:
+    from draftsmith.data.target import resolve_target_path
+
+    return Path(resolve_target_path("smollm2"))
+
+
+PROMPTS = [{"messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]},
+           {"conversations": [{"from": "human", "value": "What does math.gcd do? Answer in one sentence."}]},
+           {"prompt": "List three colors."}]
+
+
+@pytest.mark.slow
+def test_serves_random_drafter_losslessly(tmp_path, target_dir, server_marker):
+    run_dir = tmp_path / "run"
+    drafter = _random_drafter(target_dir, run_dir / "drafter")
+    heldout = run_dir / "dataset" / "prompts-heldout.jsonl"
+    heldout.parent.mkdir(parents=True)
+    heldout.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    (run_dir / "train").mkdir()
+    (run_dir / "train" / "eval_heldout.json").write_text(json.dumps(
+        {"per_step_accuracy": [0.7, 0.5, 0.4], "simulated_acceptance_length": {"1": 1.7, "2": 2.2, "3": 2.6}}))
+    cfg = _write_yaml(tmp_path, run_dir, "  num_validation_prompts: 3\n  max_tokens: 16\n  concurrency: 2\n")
+    run_entry(validate.main, ["--config", str(cfg), "--drafter", str(drafter), "--target", str(target_dir)])
+
+    report = json.loads((run_dir / "validation.json").read_text())
+    assert report["lossless"] is True, report["first_mismatch"]
+    assert report["ngram"]["lossless"] is True, report["ngram"]["first_mismatch"]
+    assert report["num_prompts"] == 3 and report["num_speculative_tokens"] == 3
+    assert report["acceptance_length"] >= 1.0 and len(report["acceptance_rate_per_position"]) == 3
+    assert report["tokens_per_target_step"]["none"] == 1.0
+    assert all(math.isfinite(v) and v > 0 for v in report["output_tokens_per_s"].values())
+    assert 0 <= report["recommended_k"] <= 3
+    # a random drafter accepts (almost) nothing, far from the 2.6 the fake trainer eval claims
+    assert report["train_serve_mismatch"]["checked"] and report["train_serve_mismatch"]["mismatch"]
+    assert (run_dir / "validation.md").read_text().startswith("# Validation")
+    assert (run_dir / "validation-acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["vllm-drafter-k3.log", "vllm-ngram-k3.log",
+                                                                     "vllm-none.log"]
+    assert _processes_with_marker(server_marker) == []
+
+
+@pytest.mark.slow
+def test_refused_drafter_fails_with_vllm_error_and_leaves_no_process(tmp_path, target_dir, server_marker):
+    drafter = _random_drafter(target_dir, tmp_path / "drafter")
+    weights = drafter / "model.safetensors"
+    # a valid header over truncated data: vLLM reads the header at config time, fails in the engine process
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps(PROMPTS[0]) + "\n")
+    cfg = _write_yaml(tmp_path, tmp_path / "run", "  max_tokens: 4\n  ngram_baseline: false\n")
+    with pytest.raises(serve.ServerError) as e:
+        validate.main(["--config", str(cfg), "--drafter", str(drafter), "--target", str(target_dir),
+                       "--prompts", str(prompts)])
+    assert "drafter-k3" in str(e.value) and "exited with code" in str(e.value)
+    assert "SafetensorError" in str(e.value).splitlines()[0], str(e.value)[:2000]  # vLLM's root cause, first
+    assert not (tmp_path / "run" / "logs" / "vllm-none.log").exists()  # the baseline never started
+    assert _processes_with_marker(server_marker) == []
+
+
+def _served(label, token_ids, latencies_s, delta=None):
+    delta = delta or serve.SpecCounters()
+    return serve.ServedRun(label, token_ids, latencies_s, wall_s=2.0, start_s=90.0, delta=delta)
+
+
+def test_report_from_measured_runs(tmp_path):
+    from draftsmith.data.config import load_config
+
+    run_dir = tmp_path / "run"
+    (run_dir / "train").mkdir(parents=True)
+    (run_dir / "train" / "eval_heldout.json").write_text(json.dumps({"simulated_acceptance_length": {"3": 2.1}}))
+    cfg, _ = load_config(str(_write_yaml(tmp_path, run_dir, "  num_speculative_tokens: [1, 3]\n")))
+    outputs = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]  # 10 output tokens
+    runs = {
+        # K=3: 4 drafts accepting 2, 1, 1 at positions 0..2: AL 2.0, 10 - 4 = 6 target steps of 60 ms
+        "drafter-k3": _served("drafter-k3", outputs, [0.18, 0.18], serve.SpecCounters(4, 12, 4, (2, 1, 1))),
+        # K=1: 2 accepted, 8 steps of 37.5 ms
+        "drafter-k1": _served("drafter-k1", outputs, [0.15, 0.15], serve.SpecCounters(4, 4, 2, (2,))),
+        "none": _served("none", outputs, [0.15, 0.15]),  # 10 steps of 30 ms
+        "ngram-k3": _served("ngram-k3", [[1, 2, 3, 4, 5], [6, 7, 0, 9, 10]], [0.15, 0.15],
+                            serve.SpecCounters(4, 12, 1, (1, 0, 0))),
+    }
+    report = validate.build_report(cfg, runs, {"method": "eagle3"}, run_dir / "drafter", "t", default_prompts=True)
+    assert report["num_speculative_tokens"] == 3 and report["acceptance_length"] == pytest.approx(2.0)
+    assert report["acceptance_rate_per_position"] == pytest.approx([0.5, 0.25, 0.25])
+    assert report["acceptance_length_by_k"] == pytest.approx({"1": 1.5, "2": 1.75, "3": 2.0})
+    assert [e["num_speculative_tokens"] for e in report["entries"]] == [1, 3]
+    assert report["tokens_per_target_step"] == pytest.approx({"drafter": 10 / 6, "none": 1.0, "ngram": 10 / 9})
+    assert report["step_time_ms"] == pytest.approx({"none": 30.0, "drafter": 60.0})
+    # step time points (K, ms) (0, 30), (1, 37.5), (3, 60): means (4/3, 42.5), slope 47.5 / (42/9) = 10.1786
+    assert report["cost_model"]["c_draft_ms"] == pytest.approx(47.5 / (42 / 9))
+    assert report["cost_model"]["c0_ms"] == pytest.approx(42.5 - 47.5 / (42 / 9) * 4 / 3)
+    # AL / cost in tokens per ms: K=0 1/28.93 = .0346, K=1 1.5/39.11 = .0384, K=2 1.75/49.29 = .0355, K=3 .0336
+    assert report["recommended_k"] == 1
+    assert report["ngram"]["lossless"] is False and report["lossless"] is False
+    assert report["ngram"]["first_mismatch"] == {"prompt_index": 1, "token_position": 2}
+    assert report["entries"][0]["lossless"] and report["entries"][1]["lossless"]
+    mismatch = report["train_serve_mismatch"]
+    assert mismatch["checked"] and not mismatch["mismatch"]
+    assert mismatch["relative_difference"] == pytest.approx(0.1 / 2.1)
+    assert validate.check_train_serve(run_dir, 3, 2.1 * 1.12, default_prompts=True)["mismatch"] is True
+    assert validate.check_train_serve(run_dir, 3, 2.1 * 0.92, default_prompts=True)["mismatch"] is False
+    assert validate.check_train_serve(run_dir, 3, 1.0, default_prompts=False)["checked"] is False
+    markdown = validate.render_markdown(report)
+    assert "| eagle3 | 3 | 2.00 | 1.67 |" in markdown and "**Recommended K: 1**" in markdown
+    validate.plot_acceptance(report, tmp_path / "acc.png")
+    assert (tmp_path / "acc.png").read_bytes()[:4] == b"\x89PNG"
+
+    # one K: no entries list; the table row comes from the top-level numbers
+    single_cfg, _ = load_config(str(_write_yaml(tmp_path, run_dir, "  num_speculative_tokens: [3]\n")))
+    del runs["drafter-k1"]
+    single = validate.build_report(single_cfg, runs, {"method": "eagle3"}, run_dir / "drafter", "t", True)
+    assert single["entries"] is None and single["lossless_by_method"] == {"drafter": True, "ngram": False}
+    assert "| eagle3 | 3 | 2.00 | 1.67 | 5.0 | 60.0 | True |" in validate.render_markdown(single)
