@@ -32,3 +32,13 @@ demo: setup
 
 clean:
 	rm -rf runs
+
+demo-peagle: setup
+	$(PY) data/build.py --config smollm2-peagle
+	$(PY) train/peagle.py --config smollm2-peagle
+	$(PY) export/speculators.py --config smollm2-peagle
+	$(PY) export/validate.py --config smollm2-peagle
+
+bench: setup
+	$(PY) bench/capture.py
+	$(PY) bench/train.py
