@@ -25,7 +25,7 @@ def build_arg_parser(description: str) -> argparse.ArgumentParser:
 
 
 def parse_run_args(parser: argparse.ArgumentParser, argv=None) -> tuple[RunConfig, argparse.Namespace]:
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
     cfg, sources = load_config(args.config, args.overrides)
     if args.print_config:
         print(format_config(cfg, sources))

@@ -57,3 +57,13 @@ def test_layer_id_convention():
     assert from_sglang_layer_ids([1, 15, 28]) == [2, 16, 29]
     with pytest.raises(ValueError, match="outside"):
         normalize_aux_layer_ids([2, 40], 32)
+
+
+def test_overrides_may_follow_options():
+    from draftsmith.data.cli import build_arg_parser, parse_run_args
+
+    parser = build_arg_parser("x")
+    parser.add_argument("--drafter")
+    cfg, args = parse_run_args(parser, ["--config", "smollm2-demo", "train.lr=1e-4", "--drafter", "d",
+                                        "export.ngram_baseline=false"])
+    assert cfg.train.lr == 1e-4 and cfg.export.ngram_baseline is False and args.drafter == "d"
