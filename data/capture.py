@@ -6,6 +6,9 @@ target's final norm. The lm_head is never run: teacher logits are recomputed at 
 """
 from __future__ import annotations
 
+import hashlib
+import json
+
 import torch
 
 
@@ -96,7 +99,8 @@ def capture_to_shards(model, samples: list[dict], aux_layer_ids: list[int], data
     start, done_tokens = time.time(), 0
     for c, chunk in enumerate(chunks):
         index = first_shard + c
-        entry = finished_shard_entry(dataset_dir, index)
+        inputs = hashlib.sha256(json.dumps([[s["input_ids"], s["loss_mask"]] for s in chunk]).encode()).hexdigest()
+        entry = finished_shard_entry(dataset_dir, index, inputs)
         if entry is None:
             captured = [None] * len(chunk)
             for batch in length_batches([len(s["input_ids"]) for s in chunk], max_batch_tokens):
@@ -109,7 +113,7 @@ def capture_to_shards(model, samples: list[dict], aux_layer_ids: list[int], data
                                                  aux[row, :t].to(storage_dtype), final[row, :t].to(storage_dtype))
                 done_tokens += int(mask.sum())
                 bar.set_postfix(tok_s=f"{done_tokens / max(time.time() - start, 1e-6):.0f}")
-            entry = write_shard(dataset_dir, index, split, captured, storage_dtype)
+            entry = write_shard(dataset_dir, index, split, captured, storage_dtype, inputs)
         entries.append(entry)
         bar.update(entry["num_tokens"])
     bar.close()

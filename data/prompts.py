@@ -11,6 +11,8 @@ import importlib
 import inspect
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 from draftsmith.data.chat import normalize_conversation
@@ -44,11 +46,20 @@ def _public_functions(module_name: str):
             sig = str(inspect.signature(obj))
         except (TypeError, ValueError):
             continue
-        if doc and len(sig) < 120:
+        # a default shown as "<object object at 0x...>" differs between processes: skip it
+        if doc and len(sig) < 120 and " at 0x" not in sig:
             yield f"{module_name}.{name}", sig, doc[0].strip()
 
 
 def demo_prompt_records() -> list[dict]:
+    """The demo prompts, built in a fresh interpreter: libraries imported here (torch, vLLM, ...) patch some
+    stdlib functions, which would change signatures and so the prompt set from one process to the next."""
+    code = "import json; from draftsmith.data.prompts import stdlib_prompt_records as f; print(json.dumps(f()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def stdlib_prompt_records() -> list[dict]:
     """One record per (function, template), with a `group` key (the function) for the split."""
     records = []
     for module_name in DEMO_MODULES:

@@ -32,7 +32,8 @@ class CapturedSample:
     final_hidden_states: torch.Tensor  # [T, H]
 
 
-def write_shard(dataset_dir: Path, index: int, split: str, samples: list[CapturedSample], dtype) -> dict:
+def write_shard(dataset_dir: Path, index: int, split: str, samples: list[CapturedSample], dtype,
+                inputs_sha256: str = "") -> dict:
     """Pack samples into one shard file (atomic), then its sidecar; returns the manifest entry."""
     lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int64)
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
@@ -48,12 +49,13 @@ def write_shard(dataset_dir: Path, index: int, split: str, samples: list[Capture
     atomic_write_bytes(path, save(tensors, metadata={"format": FORMAT}))
     entry = {"file": path.name, "split": split, "num_samples": len(samples), "num_tokens": int(offsets[-1]),
              "sha256": sha256_file(path)}
-    atomic_write_json(path.with_suffix(".json"), entry)
+    atomic_write_json(path.with_suffix(".json"), {**entry, "inputs_sha256": inputs_sha256})
     return entry
 
 
-def finished_shard_entry(dataset_dir: Path, index: int) -> dict | None:
-    """The sidecar of a finished shard whose file still matches its checksum, else None (rebuild it)."""
+def finished_shard_entry(dataset_dir: Path, index: int, inputs_sha256: str = "") -> dict | None:
+    """The manifest entry of a finished shard made from the same inputs whose file still matches its checksum,
+    else None (rebuild it)."""
     path = Path(dataset_dir) / shard_name(index)
     side = path.with_suffix(".json")
     if not (path.is_file() and side.is_file()):
@@ -61,6 +63,8 @@ def finished_shard_entry(dataset_dir: Path, index: int) -> dict | None:
     try:
         entry = read_json(side)
     except ValueError:
+        return None
+    if entry.pop("inputs_sha256", "") != inputs_sha256:
         return None
     return entry if sha256_file(path) == entry.get("sha256") else None
 

@@ -103,3 +103,20 @@ def test_kill_and_resume_skips_finished_shards(tmp_path, monkeypatch):
     fresh.mkdir()
     again = capture_to_shards(model, samples, **{**args, "dataset_dir": fresh})
     assert [e["sha256"] for e in again] == [e["sha256"] for e in entries]  # resumed == uninterrupted
+
+
+def test_resume_with_changed_samples_recaptures_their_shard(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1)
+    model = _CountingModel(AutoModelForCausalLM.from_config(cfg).eval())
+    samples = [{"input_ids": list(range(1, 5 + i)), "loss_mask": [1] * (4 + i)} for i in range(4)]
+    args = dict(aux_layer_ids=[1, 2], dataset_dir=tmp_path, split="train", first_shard=0, samples_per_shard=2,
+                max_batch_tokens=10_000, pad_id=0, storage_dtype=torch.float32)
+    capture_to_shards(model, samples, **args)
+    samples[3] = {"input_ids": [9, 9, 9], "loss_mask": [1, 1, 1]}
+    model.calls = 0
+    entries = capture_to_shards(model, samples, **args)
+    assert model.calls == 1 and entries[1]["num_tokens"] == 5 + 3  # only shard 1 was stale
