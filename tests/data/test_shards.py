@@ -119,4 +119,4 @@ def test_resume_with_changed_samples_recaptures_their_shard(tmp_path):
     samples[3] = {"input_ids": [9, 9, 9], "loss_mask": [1, 1, 1]}
     model.calls = 0
     entries = capture_to_shards(model, samples, **args)
-    assert model.calls == 1 and entries[1]["num_tokens"] == 5 + 3  # only shard 1 was stale
+    assert model.calls == 1 and entries[1]["num_tokens"] == 6 + 3  # only shard 1 was stale
