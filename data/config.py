@@ -88,6 +88,9 @@ class DataConfig:
     """Dtype of stored hidden states."""
     draft_vocab_size: int = 32000
     """Draft vocabulary size V_d (clipped to the target vocab)."""
+    dataset_dir: str = ""
+    """Where the dataset is built and read; "" = <output_dir>/dataset. Point two runs at one folder to
+    train both on the same data (the P-EAGLE demo reuses the EAGLE-3 demo's)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,7 +224,7 @@ class RunConfig:
         return Path(self.output_dir or f"runs/{self.name}")
 
     def dataset_dir(self) -> Path:
-        return self.run_dir() / "dataset"
+        return Path(self.data.dataset_dir) if self.data.dataset_dir else self.run_dir() / "dataset"
 
 
 # ---- building dataclasses from plain dicts ---------------------------------------------------------

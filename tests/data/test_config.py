@@ -67,3 +67,12 @@ def test_overrides_may_follow_options():
     cfg, args = parse_run_args(parser, ["--config", "smollm2-demo", "train.lr=1e-4", "--drafter", "d",
                                         "export.ngram_baseline=false"])
     assert cfg.train.lr == 1e-4 and cfg.export.ngram_baseline is False and args.drafter == "d"
+
+
+def test_dataset_dir_defaults_to_the_run_folder_and_can_be_shared():
+    cfg, _ = load_config("smollm2-demo")
+    assert str(cfg.dataset_dir()) == "runs/smollm2-demo/dataset"
+    peagle, _ = load_config("smollm2-peagle")
+    assert peagle.dataset_dir() == cfg.dataset_dir() and peagle.run_dir() != cfg.run_dir()
+    # sharing a dataset only makes sense with the same data recipe: the two demo configs must agree
+    assert peagle.data == cfg.data.__class__(**{**cfg.data.__dict__, "dataset_dir": peagle.data.dataset_dir})
