@@ -15,6 +15,7 @@ import torch
 from draftsmith.data.cli import run_entry
 from draftsmith.export import format as fmt
 from draftsmith.export import serve, validate
+from draftsmith.export.report import plot_acceptance, render_markdown
 from draftsmith.export.write import write_drafter_folder
 
 METRICS_BEFORE = """\
@@ -289,9 +290,9 @@ def test_report_from_measured_runs(tmp_path):
     assert validate.check_train_serve(run_dir, 3, 2.1 * 1.12, default_prompts=True)["mismatch"] is True
     assert validate.check_train_serve(run_dir, 3, 2.1 * 0.92, default_prompts=True)["mismatch"] is False
     assert validate.check_train_serve(run_dir, 3, 1.0, default_prompts=False)["checked"] is False
-    markdown = validate.render_markdown(report)
+    markdown = render_markdown(report)
     assert "| eagle3 | 3 | 2.00 | 1.67 |" in markdown and "**Recommended K: 1**" in markdown
-    validate.plot_acceptance(report, tmp_path / "acc.png")
+    plot_acceptance(report, tmp_path / "acc.png")
     assert (tmp_path / "acc.png").read_bytes()[:4] == b"\x89PNG"
 
     # one K: no entries list; the table row comes from the top-level numbers
@@ -299,4 +300,4 @@ def test_report_from_measured_runs(tmp_path):
     del runs["drafter-k1"]
     single = validate.build_report(single_cfg, runs, {"method": "eagle3"}, run_dir / "drafter", "t", True)
     assert single["entries"] is None and single["lossless_by_method"] == {"drafter": True, "ngram": False}
-    assert "| eagle3 | 3 | 2.00 | 1.67 | 5.0 | 60.0 | True |" in validate.render_markdown(single)
+    assert "| eagle3 | 3 | 2.00 | 1.67 | 5.0 | 60.0 | True |" in render_markdown(single)
