@@ -11,6 +11,7 @@ import torch
 from draftsmith.data.chat import render_with_loss_mask
 from draftsmith.data.cli import build_arg_parser, log_run_header, parse_run_args, run_entry, save_resolved_config
 from draftsmith.data.config import RunConfig, config_sha256
+from draftsmith.data.errors import UserError
 from draftsmith.data.layer_ids import resolve_aux_layer_ids
 from draftsmith.data.manifest import atomic_write_bytes, atomic_write_json, read_json, sha256_text, target_identity
 from draftsmith.data.prompts import build_prompt_splits
@@ -33,7 +34,7 @@ def check_existing_dataset(out: Path, identity: dict, aux_ids: list[int]) -> Non
     prev = read_json(path, "dataset build record")
     for key, want, have in (("target", identity, prev.get("target")), ("aux_layer_ids", aux_ids, prev.get("aux_layer_ids"))):
         if want != have:
-            raise ValueError(f"{out} was built with {key}={have}, the config now gives {want}; "
+            raise UserError(f"{out} was built with {key}={have}, the config now gives {want}; "
                              f"use another output_dir or delete {out}")
 
 

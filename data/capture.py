@@ -11,13 +11,15 @@ import json
 
 import torch
 
+from draftsmith.data.errors import UserError
+
 
 def decoder_of(model):
     """The decoder stack (embed_tokens, layers, norm) of an HF causal LM."""
     dec = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     for attr in ("embed_tokens", "layers", "norm"):
         if not hasattr(dec, attr):
-            raise ValueError(f"target decoder {type(dec).__name__} has no '{attr}'; capture supports Llama-like stacks")
+            raise UserError(f"target decoder {type(dec).__name__} has no '{attr}'; capture supports Llama-like stacks")
     return dec
 
 

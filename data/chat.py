@@ -4,6 +4,8 @@ Rendering always goes through the target tokenizer's own chat template (DESIGN.m
 """
 from __future__ import annotations
 
+from draftsmith.data.errors import UserError
+
 ROLES = ("system", "user", "assistant")
 # ShareGPT writes "human"/"gpt"; OpenAI-style records already use ROLES.
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", **{r: r for r in ROLES}}
@@ -16,12 +18,12 @@ def normalize_conversation(record: dict, column: str = "") -> list[dict]:
     """A ShareGPT, OpenAI or bare-prompt record (or record[column] when given) -> [{"role", "content"}]."""
     if column:
         if column not in record:
-            raise ValueError(f"record has no field '{column}' (found fields: {sorted(record)})")
+            raise UserError(f"record has no field '{column}' (found fields: {sorted(record)})")
         field = column
     else:
         field = next((f for f in RECORD_FIELDS if f in record), None)
         if field is None:
-            raise ValueError(
+            raise UserError(
                 f"record has none of the fields {list(RECORD_FIELDS)} (found fields: {sorted(record)}); "
                 "pass column= to name the field that holds the conversation"
             )
@@ -29,7 +31,7 @@ def normalize_conversation(record: dict, column: str = "") -> list[dict]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise ValueError(
+        raise UserError(
             f"field '{field}' must be a prompt string or a non-empty list of turns, got {value!r:.80}"
         )
     return [_normalize_turn(turn, f"{field}[{i}]") for i, turn in enumerate(value)]
@@ -38,24 +40,24 @@ def normalize_conversation(record: dict, column: str = "") -> list[dict]:
 def _normalize_turn(turn: object, where: str) -> dict:
     """One ShareGPT {"from", "value"} or OpenAI {"role", "content"} turn -> a message dict."""
     if not isinstance(turn, dict):
-        raise ValueError(f"{where} must be a dict with 'from'/'value' or 'role'/'content', got {turn!r:.80}")
+        raise UserError(f"{where} must be a dict with 'from'/'value' or 'role'/'content', got {turn!r:.80}")
     role_key, content_key = ("from", "value") if "from" in turn else ("role", "content")
     if role_key not in turn or content_key not in turn:
-        raise ValueError(
+        raise UserError(
             f"{where} must have 'from' and 'value' (ShareGPT) or 'role' and 'content' (OpenAI); "
             f"found keys {sorted(turn)}"
         )
     role = turn[role_key]
     if role not in ROLE_ALIASES:
-        raise ValueError(f"{where}.{role_key}: unknown role {role!r} (valid: {sorted(ROLE_ALIASES)})")
+        raise UserError(f"{where}.{role_key}: unknown role {role!r} (valid: {sorted(ROLE_ALIASES)})")
     content = turn[content_key]
     if not isinstance(content, str):
-        raise ValueError(f"{where}.{content_key} must be a string, got {type(content).__name__}")
+        raise UserError(f"{where}.{content_key} must be a string, got {type(content).__name__}")
     message = {"role": ROLE_ALIASES[role], "content": content}
     reasoning = turn.get("reasoning_content")
     if message["role"] == "assistant" and reasoning is not None:
         if not isinstance(reasoning, str):
-            raise ValueError(f"{where}.reasoning_content must be a string, got {type(reasoning).__name__}")
+            raise UserError(f"{where}.reasoning_content must be a string, got {type(reasoning).__name__}")
         message["reasoning_content"] = reasoning
     return message
 
@@ -67,7 +69,7 @@ def render_with_loss_mask(tokenizer, messages: list[dict]) -> tuple[list[int], l
     template's end-of-turn token. A token counts when any of its characters lies in such a span.
     """
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(
+        raise UserError(
             f"{type(tokenizer).__name__} is a slow tokenizer; the loss mask needs offset mappings, "
             "which only fast (tokenizers-backed) tokenizers give: load it with AutoTokenizer (use_fast=True)"
         )
@@ -86,14 +88,14 @@ def end_of_turn_marker(tokenizer) -> str:
     probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}]
     rendered = tokenizer.apply_chat_template(probe, tokenize=False)
     if _PROBE not in rendered:
-        raise ValueError(f"the chat template does not render assistant content verbatim: {rendered!r:.200}")
+        raise UserError(f"the chat template does not render assistant content verbatim: {rendered!r:.200}")
     tail = rendered.split(_PROBE, 1)[1]
     specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
     stripped = tail.lstrip()
     for token in sorted(specials, key=len, reverse=True):
         if token and stripped.startswith(token):
             return tail[: len(tail) - len(stripped) + len(token)]
-    raise ValueError(
+    raise UserError(
         f"the chat template follows assistant content with {tail[:40]!r}, which does not start with a "
         "special token; cannot tell which token ends an assistant turn"
     )
@@ -140,7 +142,7 @@ def _find_assistant_turn(text: str, content: str, marker: str, limit: int, index
         pos = text.rfind(candidate + marker, 0, limit)
         if pos != -1:
             return pos, pos + len(candidate) + len(marker)
-    raise ValueError(
+    raise UserError(
         f"assistant message {index}: its content {content[:60]!r} followed by the end-of-turn marker "
         f"{marker!r} was not found in the rendered chat template output (searched up to character {limit})"
     )
@@ -164,7 +166,7 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
     prompt = messages[:last]
     if not any(m["role"] == "user" for m in prompt):
         roles = [m["role"] for m in messages]
-        raise ValueError(f"conversation has no user message before its last assistant turn (roles: {roles})")
+        raise UserError(f"conversation has no user message before its last assistant turn (roles: {roles})")
     return prompt
 
 

@@ -8,6 +8,7 @@ import logging
 import torch
 
 from draftsmith.data.cli import build_arg_parser, parse_run_args, run_entry
+from draftsmith.data.errors import UserError
 from draftsmith.data.manifest import read_json
 from draftsmith.data.shards import ShardedDataset
 from draftsmith.data.target import load_target_model, resolve_target_path
@@ -25,7 +26,7 @@ def check_token_counts(ds_dir, manifest: dict) -> None:
         ds = ShardedDataset(ds_dir, split)
         total += sum(ds.sample_length(i) for i in range(len(ds)))
     if total != manifest["num_tokens"]:
-        raise ValueError(f"{ds_dir}: shards hold {total} tokens, manifest says {manifest['num_tokens']}")
+        raise UserError(f"{ds_dir}: shards hold {total} tokens, manifest says {manifest['num_tokens']}")
     logger.info("token count OK: %d tokens in %d shards (checksums verified)", total, len(manifest["shards"]))
 
 
@@ -43,7 +44,7 @@ def check_hidden_states(model, ds: ShardedDataset, aux_ids: list[int], num_sampl
                 worst = max(worst, relative_error(s["aux_hidden_states"][:, j * h:(j + 1) * h], ref[k][0]))
         worst = max(worst, relative_error(s["final_hidden_states"], ref[-1][0]))
     if worst > tol:
-        raise ValueError(f"stored hidden states differ from transformers' output_hidden_states: worst relative "
+        raise UserError(f"stored hidden states differ from transformers' output_hidden_states: worst relative "
                          f"error {worst:.4f} > {tol}")
     return worst
 

@@ -8,12 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from draftsmith.data.config import ConfigError, RunConfig, config_to_dict, format_config, load_config
+from draftsmith.data.config import RunConfig, config_to_dict, format_config, load_config
+from draftsmith.data.errors import UserError
 
 logger = logging.getLogger("draftsmith")
 
 # Errors a user can fix (bad config, mismatched inputs, missing files): printed as one line, exit 2.
-USER_ERRORS = (ConfigError, FileNotFoundError, ValueError, KeyError)
+# Anything else is a bug and keeps its traceback.
+USER_ERRORS = (UserError, FileNotFoundError)
 
 
 def build_arg_parser(description: str) -> argparse.ArgumentParser:
@@ -72,8 +74,7 @@ def run_entry(main, argv=None) -> None:
     try:
         main(argv)
     except USER_ERRORS as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        print(f"error: {msg}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 

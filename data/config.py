@@ -17,10 +17,12 @@ from typing import Any, Literal
 
 import yaml
 
+from draftsmith.data.errors import UserError
+
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A user error in a config file or override; entry scripts print it as one line and exit 2."""
 
 

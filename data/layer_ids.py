@@ -6,6 +6,8 @@ SGLang/SpecForge write k-1 for the same tensor (`from_sglang_layer_ids`).
 """
 from __future__ import annotations
 
+from draftsmith.data.errors import UserError
+
 
 def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
     """vLLM's default for EAGLE-3 targets: [2, N//2, N-3]."""
@@ -18,9 +20,9 @@ def normalize_aux_layer_ids(layer_ids, num_hidden_layers: int) -> list[int]:
     ids = sorted(set(int(i) for i in layer_ids))
     bad = [i for i in ids if not 0 <= i <= num_hidden_layers]
     if bad:
-        raise ValueError(f"aux layer ids {bad} are outside [0, {num_hidden_layers}] for a {num_hidden_layers}-layer target")
+        raise UserError(f"aux layer ids {bad} are outside [0, {num_hidden_layers}] for a {num_hidden_layers}-layer target")
     if not ids:
-        raise ValueError("aux layer ids are empty")
+        raise UserError("aux layer ids are empty")
     return ids
 
 

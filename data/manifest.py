@@ -7,6 +7,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from draftsmith.data.errors import UserError
+
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temp file in the same folder, fsync, then rename: readers never see half a file."""
@@ -38,7 +40,7 @@ def read_json(path: Path, what: str = "file") -> dict:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{what} {path} is not valid JSON ({e}); delete it and rebuild") from None
+        raise UserError(f"{what} {path} is not valid JSON ({e}); delete it and rebuild") from None
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from draftsmith.data.chat import normalize_conversation
 from draftsmith.data.config import PromptsConfig
+from draftsmith.data.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def _read_jsonl(path: Path) -> list[dict]:
                 try:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+                    raise UserError(f"{path}:{lineno}: not valid JSON ({e})") from None
     return records
 
 
@@ -108,7 +109,7 @@ def load_prompt_records(cfg: PromptsConfig) -> list[dict]:
         try:
             messages = rec["messages"] if cfg.source == "demo" else normalize_conversation(rec, cfg.conversations_column)
         except ValueError as e:
-            raise ValueError(f"prompt record {i} of {cfg.source}:{cfg.path or 'demo'}: {e}") from None
+            raise UserError(f"prompt record {i} of {cfg.source}:{cfg.path or 'demo'}: {e}") from None
         first_user = next((m["content"] for m in messages if m["role"] == "user"), "")
         out.append({"messages": messages, "group": rec.get("group") or first_user})
     return out
@@ -148,7 +149,7 @@ def split_train_heldout(records: list[dict], heldout_fraction: float) -> tuple[l
 def build_prompt_splits(cfg: PromptsConfig) -> tuple[list[dict], list[dict]]:
     records = filter_and_dedup(load_prompt_records(cfg), cfg)
     if not records:
-        raise ValueError(f"no prompts left from source '{cfg.source}' after filters; check data.prompts settings")
+        raise UserError(f"no prompts left from source '{cfg.source}' after filters; check data.prompts settings")
     train, heldout = split_train_heldout(records, cfg.heldout_fraction)
     logger.info("prompts: %d train, %d held-out (source=%s)", len(train), len(heldout), cfg.source)
     return train, heldout

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from draftsmith.data.chat import prompt_messages, render_generation_prompt
 from draftsmith.data.config import RegenerateConfig
+from draftsmith.data.errors import UserError
 from draftsmith.data.manifest import atomic_write_json, read_json
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ def regenerate_responses(records: list[dict], tokenizer, target_path: str, targe
     params = sampling_record(cfg, backend, target_path)
     params_path = out_path.with_suffix(".params.json")
     if params_path.is_file() and read_json(params_path) != params:
-        raise ValueError(f"{out_path} was generated with {read_json(params_path)}, now {params}; "
+        raise UserError(f"{out_path} was generated with {read_json(params_path)}, now {params}; "
                          "delete it to regenerate with the new settings")
     atomic_write_json(params_path, params)
     done = _load_done(out_path, records)

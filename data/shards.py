@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from draftsmith.data.errors import UserError
 from draftsmith.data.manifest import atomic_write_bytes, atomic_write_json, read_json, sha256_file
 
 FORMAT = "draftsmith.hidden_states/1"
@@ -75,7 +76,7 @@ def verify_shard(path: Path, entry: dict) -> None:
         raise FileNotFoundError(f"shard {path} listed in the manifest is missing; rebuild the dataset")
     actual = sha256_file(path)
     if actual != entry["sha256"]:
-        raise ValueError(f"shard {path} is corrupt: sha256 {actual[:12]}... != manifest {entry['sha256'][:12]}...; "
+        raise UserError(f"shard {path} is corrupt: sha256 {actual[:12]}... != manifest {entry['sha256'][:12]}...; "
                          "rebuild it (delete the file and rerun data/build.py)")
 
 
@@ -86,7 +87,7 @@ class ShardedDataset:
         self.dir = Path(dataset_dir)
         self.manifest = read_json(self.dir / "manifest.json", "dataset manifest")
         if self.manifest.get("format") != FORMAT:
-            raise ValueError(f"{self.dir / 'manifest.json'}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
+            raise UserError(f"{self.dir / 'manifest.json'}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
         self.shards = [s for s in self.manifest["shards"] if s["split"] == split]
         self.index = [(si, j) for si, s in enumerate(self.shards) for j in range(s["num_samples"])]
         self._open: dict[int, tuple] = {}

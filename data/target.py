@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.data.errors import UserError
 from draftsmith.data.manifest import atomic_write_json, read_json, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ def load_tokenizer(path: str):
 
     tok = AutoTokenizer.from_pretrained(path)
     if tok.chat_template is None:
-        raise ValueError(f"target {path} has no chat template in its tokenizer; add one to tokenizer_config.json")
+        raise UserError(f"target {path} has no chat template in its tokenizer; add one to tokenizer_config.json")
     return tok
 
 
@@ -155,10 +156,10 @@ def load_target_head(path: str) -> dict[str, torch.Tensor]:
                     found[wanted[k]] = sf.get_tensor(k)
     if "lm_head" not in found:
         if not text_cfg.get("tie_word_embeddings", False) or "embed" not in found:
-            raise KeyError(f"target {path}: no lm_head.weight and no tied embeddings")
+            raise UserError(f"target {path}: no lm_head.weight and no tied embeddings")
         found["lm_head"] = found["embed"]
     missing = {"norm", "embed"} - found.keys()
     if missing:
-        raise KeyError(f"target {path}: tensors {sorted(missing)} not found (expected model.norm / model.embed_tokens)")
+        raise UserError(f"target {path}: tensors {sorted(missing)} not found (expected model.norm / model.embed_tokens)")
     found["rms_norm_eps"] = torch.tensor(float(text_cfg.get("rms_norm_eps", 1e-6)))
     return found

@@ -10,6 +10,8 @@ import logging
 
 import torch
 
+from draftsmith.data.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 SPEC_KEYS = (
@@ -44,42 +46,42 @@ def check_spec(spec: dict) -> None:
     """Reject a drafter spec (drafter.json) with missing, unknown or impossible fields."""
     missing = [k for k in SPEC_KEYS if k not in spec]
     if missing:
-        raise ValueError(f"drafter spec: missing field(s) {missing}")
+        raise UserError(f"drafter spec: missing field(s) {missing}")
     unknown = sorted(set(spec) - set(SPEC_KEYS))
     if unknown:
-        raise ValueError(f"drafter spec: unknown field(s) {unknown} (valid: {list(SPEC_KEYS)})")
+        raise UserError(f"drafter spec: unknown field(s) {unknown} (valid: {list(SPEC_KEYS)})")
     if spec["method"] not in METHODS:
-        raise ValueError(f"drafter spec: method {spec['method']!r} is not one of {METHODS}")
+        raise UserError(f"drafter spec: method {spec['method']!r} is not one of {METHODS}")
     if spec["arch"] not in ARCHS:
-        raise ValueError(f"drafter spec: arch {spec['arch']!r} is not one of {ARCHS}")
+        raise UserError(f"drafter spec: arch {spec['arch']!r} is not one of {ARCHS}")
     for k in POSITIVE_INT_KEYS:
         if not isinstance(spec[k], int) or isinstance(spec[k], bool) or spec[k] <= 0:
-            raise ValueError(f"drafter spec: {k} must be a positive int, found {spec[k]!r}")
+            raise UserError(f"drafter spec: {k} must be a positive int, found {spec[k]!r}")
     for k in NORM_FLAGS:
         if not isinstance(spec[k], bool):
-            raise ValueError(f"drafter spec: {k} must be true or false, found {spec[k]!r}")
+            raise UserError(f"drafter spec: {k} must be true or false, found {spec[k]!r}")
     _check_spec_relations(spec)
 
 
 def _check_spec_relations(spec: dict) -> None:
     ids = spec["aux_layer_ids"]
     if not ids or not all(isinstance(i, int) and i >= 0 for i in ids) or list(ids) != sorted(set(ids)):
-        raise ValueError(
+        raise UserError(
             f"drafter spec: aux_layer_ids must be non-empty, ascending, unique ints >= 0; found {ids}"
         )
     if spec["draft_vocab_size"] > spec["vocab_size"]:
-        raise ValueError(
+        raise UserError(
             f"drafter spec: draft_vocab_size {spec['draft_vocab_size']} exceeds "
             f"the target vocab {spec['vocab_size']}"
         )
     if spec["fc_norm"] and spec["norm_before_fc"]:
-        raise ValueError("drafter spec: fc_norm and norm_before_fc are exclusive (EAGLE-3.1 uses fc_norm)")
+        raise UserError("drafter spec: fc_norm and norm_before_fc are exclusive (EAGLE-3.1 uses fc_norm)")
     rope = spec["rope_parameters"]
     if not isinstance(rope, dict) or "rope_type" not in rope or "rope_theta" not in rope:
-        raise ValueError(f"drafter spec: rope_parameters needs rope_type and rope_theta, found {rope!r}")
+        raise UserError(f"drafter spec: rope_parameters needs rope_type and rope_theta, found {rope!r}")
     verifier = spec["verifier"]
     if not isinstance(verifier, dict) or set(verifier) != {"name_or_path", "architectures"}:
-        raise ValueError(
+        raise UserError(
             f"drafter spec: verifier must hold exactly name_or_path and architectures, found {verifier!r}"
         )
     _check_mask_token(spec)
@@ -89,11 +91,11 @@ def _check_mask_token(spec: dict) -> None:
     mask = spec["mask_token_id"]
     if spec["method"] == "peagle":
         if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < spec["vocab_size"]:
-            raise ValueError(
+            raise UserError(
                 f"drafter spec: peagle needs mask_token_id in [0, {spec['vocab_size']}), found {mask!r}"
             )
     elif mask is not None:
-        raise ValueError(f"drafter spec: mask_token_id must be null for method eagle3, found {mask!r}")
+        raise UserError(f"drafter spec: mask_token_id must be null for method eagle3, found {mask!r}")
 
 
 def num_aux(spec: dict) -> int:
@@ -114,7 +116,7 @@ def export_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype) and name in EXPORT_DTYPES.values():
         return name
     if name not in EXPORT_DTYPES:
-        raise ValueError(f"export dtype {name!r} is not one of {list(EXPORT_DTYPES)}")
+        raise UserError(f"export dtype {name!r} is not one of {list(EXPORT_DTYPES)}")
     return EXPORT_DTYPES[name]
 
 
@@ -202,7 +204,7 @@ def select_export_tensors(state_dict: dict[str, torch.Tensor], spec: dict) -> di
     dropped = dropped_tensors(spec)
     d2t = state_dict.get("d2t")
     if "d2t" in dropped and d2t is not None and bool(d2t.ne(0).any()):
-        raise ValueError(
+        raise UserError(
             "d2t is not all zeros although draft_vocab_size equals the target vocab; the map is broken"
         )
     for name in sorted(dropped.keys() & state_dict.keys()):
@@ -219,7 +221,7 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], spec: dict, dtype: str
     dtype = export_dtype(dtype)
     missing = [k for k in expected if k not in state_dict]
     if missing:
-        raise ValueError(
+        raise UserError(
             f"drafter tensor {missing[0]!r} is missing ({len(missing)} missing in all: {missing[:8]})"
         )
     unexpected = sorted(k for k in state_dict if k not in expected)
@@ -227,7 +229,7 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], spec: dict, dtype: str
         name = unexpected[0]
         why = dropped_tensors(spec).get(name)
         hint = f"; leave it out: {why}" if why else " (vLLM refuses to load a tensor it has no parameter for)"
-        raise ValueError(f"drafter tensor {name!r} is unexpected for this spec{hint}")
+        raise UserError(f"drafter tensor {name!r} is unexpected for this spec{hint}")
     for name, (shape, want) in expected.items():
         _check_tensor(name, state_dict[name], shape, want or dtype)
     if has_vocab_map(spec):
@@ -236,13 +238,13 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], spec: dict, dtype: str
 
 def _check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     if tuple(t.shape) != shape:
-        raise ValueError(f"drafter tensor {name!r}: expected shape {list(shape)}, found {list(t.shape)}")
+        raise UserError(f"drafter tensor {name!r}: expected shape {list(shape)}, found {list(t.shape)}")
     if t.dtype != dtype:
-        raise ValueError(f"drafter tensor {name!r}: expected dtype {dtype}, found {t.dtype}")
+        raise UserError(f"drafter tensor {name!r}: expected dtype {dtype}, found {t.dtype}")
     if t.is_floating_point():
         bad = int((~torch.isfinite(t)).sum())
         if bad:
-            raise ValueError(
+            raise UserError(
                 f"drafter tensor {name!r} holds {bad} non-finite values (NaN/inf); the training diverged"
             )
 
@@ -253,13 +255,13 @@ def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> No
     out_of_range = ((targets < 0) | (targets >= vocab_size)).nonzero()
     if out_of_range.numel():
         i = int(out_of_range[0])
-        raise ValueError(
+        raise UserError(
             f"d2t[{i}]={int(d2t[i])} maps draft id {i} to {int(targets[i])}, outside [0, {vocab_size})"
         )
     not_increasing = (targets[1:] <= targets[:-1]).nonzero()
     if not_increasing.numel():
         i = int(not_increasing[0]) + 1
-        raise ValueError(
+        raise UserError(
             f"d2t: target ids must strictly increase, but draft id {i} maps to {int(targets[i])} "
             f"after {int(targets[i - 1])}"
         )
@@ -267,7 +269,7 @@ def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> No
     if marked.numel() != targets.numel() or not torch.equal(marked, targets):
         pairs = zip(marked.tolist(), targets.tolist())
         first = next((j for j, (a, b) in enumerate(pairs) if a != b), min(marked.numel(), targets.numel()))
-        raise ValueError(
+        raise UserError(
             f"t2d marks {marked.numel()} target ids but d2t maps to {targets.numel()}; "
             f"first disagreement at draft id {first}"
         )
@@ -388,9 +390,9 @@ def drafter_config(spec: dict, fmt: str, num_speculative_tokens: int, *, dtype: 
     if fmt == "legacy":
         _check_num_speculative_tokens(num_speculative_tokens)
         return legacy_config(spec, dtype=dtype)
-    raise ValueError(f"export format {fmt!r} is not one of {EXPORT_FORMATS}")
+    raise UserError(f"export format {fmt!r} is not one of {EXPORT_FORMATS}")
 
 
 def _check_num_speculative_tokens(k: int) -> None:
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"num_speculative_tokens must be an int >= 1, found {k!r}")
+        raise UserError(f"num_speculative_tokens must be an int >= 1, found {k!r}")

@@ -6,6 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
+from draftsmith.data.errors import UserError
 from draftsmith.data.target import public_target_name
 
 CARD_FILES = ("config.json", "model.safetensors")
@@ -99,7 +100,7 @@ def push_folder(staging: Path, repo_id: str, private: bool) -> str:
 
     token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
     if not token:
-        raise ValueError("no Hub token: set HF_TOKEN in the environment (or use --dry-run)")
+        raise UserError("no Hub token: set HF_TOKEN in the environment (or use --dry-run)")
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     info = api.upload_folder(folder_path=str(staging), repo_id=repo_id, repo_type="model",

@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from draftsmith.data.cli import build_arg_parser, parse_run_args, run_entry
+from draftsmith.data.errors import UserError
 from draftsmith.data.manifest import read_json
 from draftsmith.export.hub import model_card, push_folder, stage_upload_folder
 
@@ -24,7 +25,7 @@ def main(argv=None) -> None:
     parser.add_argument("--drafter", default=None, help="exported folder (default: <output_dir>/drafter)")
     cfg, args = parse_run_args(parser, argv)
     if args.repo_id.count("/") != 1:
-        raise ValueError(f"--repo-id {args.repo_id!r} must look like ORG/NAME")
+        raise UserError(f"--repo-id {args.repo_id!r} must look like ORG/NAME")
     run = cfg.run_dir()
     drafter_dir = Path(args.drafter) if args.drafter else run / "drafter"
     validation = read_json(run / "validation.json", "validation report (run export/validate.py first)")

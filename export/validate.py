@@ -16,6 +16,7 @@ from pathlib import Path
 
 from draftsmith.data.chat import normalize_conversation, prompt_messages, render_generation_prompt
 from draftsmith.data.cli import build_arg_parser, git_commit, log_run_header, parse_run_args, run_entry
+from draftsmith.data.errors import UserError
 from draftsmith.data.manifest import atomic_write_bytes, atomic_write_json, read_json
 from draftsmith.data.target import load_target_config, load_tokenizer, resolve_target_path
 from draftsmith.export import serve
@@ -39,7 +40,7 @@ def parse_args(argv):
         export = dataclasses.replace(cfg.export, num_speculative_tokens=tuple(args.num_speculative_tokens))
         cfg = dataclasses.replace(cfg, export=export)
     if min(cfg.export.num_speculative_tokens, default=0) < 1:
-        raise ValueError(f"num_speculative_tokens must be >= 1, got {list(cfg.export.num_speculative_tokens)}")
+        raise UserError(f"num_speculative_tokens must be >= 1, got {list(cfg.export.num_speculative_tokens)}")
     return cfg, args
 
 
@@ -57,11 +58,11 @@ def check_drafter_fits_target(drafter_dir: Path, target_path: str) -> dict:
     wanted = {"target_hidden_size": target.hidden_size, "transformer_layer_config.vocab_size": target.vocab_size}
     for key, value in found.items():
         if value != wanted[key]:
-            raise ValueError(f"drafter {drafter_dir} does not fit target {target_path}: {key} = {value} but the "
+            raise UserError(f"drafter {drafter_dir} does not fit target {target_path}: {key} = {value} but the "
                              f"target has {wanted[key]}; export the drafter for this target or pass --target")
     aux_ids = aux.get("eagle_aux_hidden_state_layer_ids") or []
     if any(not 0 <= i < target.num_hidden_layers for i in aux_ids):
-        raise ValueError(f"drafter {drafter_dir} does not fit target {target_path}: eagle_aux_hidden_state_layer_ids "
+        raise UserError(f"drafter {drafter_dir} does not fit target {target_path}: eagle_aux_hidden_state_layer_ids "
                          f"= {aux_ids} but the target has {target.num_hidden_layers} layers (ids must be below it)")
     return {"method": drafter.get("speculators_model_type", "eagle3"), "aux_layer_ids": aux_ids}
 
@@ -78,9 +79,9 @@ def load_prompt_ids(path: Path, limit: int, tokenizer) -> list[list[int]]:
             messages = prompt_messages(normalize_conversation(json.loads(line)))
             prompts.append(render_generation_prompt(tokenizer, messages))
         except ValueError as e:  # JSONDecodeError included
-            raise ValueError(f"{path}:{lineno}: {e}") from None
+            raise UserError(f"{path}:{lineno}: {e}") from None
     if not prompts:
-        raise ValueError(f"prompt file {path} holds no prompts")
+        raise UserError(f"prompt file {path} holds no prompts")
     return prompts
 
 

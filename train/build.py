@@ -10,6 +10,7 @@ import logging
 import torch
 
 from draftsmith.data.config import RunConfig
+from draftsmith.data.errors import UserError
 from draftsmith.data.layer_ids import resolve_aux_layer_ids
 from draftsmith.data.manifest import read_json, target_identity
 from draftsmith.data.shards import ShardedDataset
@@ -25,11 +26,11 @@ def check_dataset_matches(cfg: RunConfig, manifest: dict, identity: dict, where:
     stored = manifest["target"]
     for key in ("config_sha256", "num_hidden_layers", "hidden_size", "vocab_size"):
         if stored.get(key) != identity[key]:
-            raise ValueError(f"{where}: dataset target {key}={stored.get(key)!r} but the config's target "
+            raise UserError(f"{where}: dataset target {key}={stored.get(key)!r} but the config's target "
                              f"'{cfg.target.name_or_path}' has {key}={identity[key]!r}; rebuild the dataset")
     want = resolve_aux_layer_ids(cfg.target.aux_layer_ids, identity["num_hidden_layers"])
     if manifest["aux_layer_ids"] != want:
-        raise ValueError(f"{where}: dataset aux_layer_ids={manifest['aux_layer_ids']} but the config gives "
+        raise UserError(f"{where}: dataset aux_layer_ids={manifest['aux_layer_ids']} but the config gives "
                          f"target.aux_layer_ids={want}; rebuild the dataset or set target.aux_layer_ids")
     return want
 
@@ -44,7 +45,7 @@ def load_checked_dataset(cfg: RunConfig):
                                     str(ds_dir / "manifest.json"))
     train_ds, heldout_ds = ShardedDataset(ds_dir, "train"), ShardedDataset(ds_dir, "heldout")
     if len(train_ds) == 0:
-        raise ValueError(f"{ds_dir}: the train split is empty")
+        raise UserError(f"{ds_dir}: the train split is empty")
     return train_ds, heldout_ds, aux_ids, target_path, hf_cfg
 
 

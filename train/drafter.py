@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.data.config import DrafterConfig
+from draftsmith.data.errors import UserError
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -52,13 +53,13 @@ def drafter_dims(target_hf_config, drafter_cfg: DrafterConfig, num_aux: int, dra
     """Drafter dimensions copied from the target's HF config (the drafter mirrors one target layer)."""
     c = target_hf_config
     if getattr(c, "hidden_act", "silu") != "silu":
-        raise ValueError(f"target hidden_act is {c.hidden_act!r}; the drafter's MLP is SwiGLU and needs 'silu'")
+        raise UserError(f"target hidden_act is {c.hidden_act!r}; the drafter's MLP is SwiGLU and needs 'silu'")
     rope = dict(getattr(c, "rope_parameters", None) or {})
     check_rope_parameters(rope)
     if not 0 < draft_vocab_size <= c.vocab_size:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} must lie in [1, target vocab {c.vocab_size}]")
+        raise UserError(f"draft_vocab_size {draft_vocab_size} must lie in [1, target vocab {c.vocab_size}]")
     if drafter_cfg.arch == "qwen3" and getattr(c, "head_dim", None) is None:
-        raise ValueError("drafter.arch=qwen3 needs a target config with head_dim")
+        raise UserError("drafter.arch=qwen3 needs a target config with head_dim")
     return DrafterDims(
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
@@ -78,12 +79,12 @@ def drafter_dims(target_hf_config, drafter_cfg: DrafterConfig, num_aux: int, dra
 def check_rope_parameters(rope: dict) -> None:
     """Reject RoPE variants the drafter does not implement (it must rotate exactly like vLLM will)."""
     if "rope_theta" not in rope:
-        raise ValueError(f"target rope_parameters {rope} has no rope_theta (expected transformers>=5 format)")
+        raise UserError(f"target rope_parameters {rope} has no rope_theta (expected transformers>=5 format)")
     rope_type = rope.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"target rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+        raise UserError(f"target rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor {rope['partial_rotary_factor']} is not supported (need 1.0)")
+        raise UserError(f"partial_rotary_factor {rope['partial_rotary_factor']} is not supported (need 1.0)")
 
 
 def rope_inv_freq(head_dim: int, rope: dict, device=None) -> torch.Tensor:
@@ -262,9 +263,9 @@ def init_drafter_from_target(drafter: Drafter, target_embed_weight, d2t, t2d) ->
     }
     for name, (shape, tensor) in expected.items():
         if tuple(tensor.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, the drafter expects {shape}")
+            raise UserError(f"{name} has shape {tuple(tensor.shape)}, the drafter expects {shape}")
     if int(t2d.sum()) != drafter.dims.draft_vocab_size:
-        raise ValueError(f"t2d marks {int(t2d.sum())} tokens, expected draft_vocab_size {drafter.dims.draft_vocab_size}")
+        raise UserError(f"t2d marks {int(t2d.sum())} tokens, expected draft_vocab_size {drafter.dims.draft_vocab_size}")
     drafter.embed_tokens.weight.copy_(target_embed_weight)
     drafter.d2t.copy_(d2t)
     drafter.t2d.copy_(t2d)

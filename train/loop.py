@@ -14,6 +14,7 @@ import torch
 
 from draftsmith.data.cli import save_resolved_config
 from draftsmith.data.config import RunConfig, TrainConfig, config_sha256, config_to_dict
+from draftsmith.data.errors import UserError
 from draftsmith.data.manifest import atomic_write_json
 from draftsmith.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_drafter_bundle
 from draftsmith.train.metrics_log import MetricsLog
@@ -69,7 +70,7 @@ class Trainer:
             return
         state = load_checkpoint(self.acc, ckpt)
         if state["config_sha256"] != config_sha256(self.cfg) and state["resumable_config"] != resumable_config(self.cfg):
-            raise ValueError(f"{ckpt} was made with a different config; differing fields: "
+            raise UserError(f"{ckpt} was made with a different config; differing fields: "
                              f"{diff_fields(state['resumable_config'], resumable_config(self.cfg))}. "
                              f"Use another output_dir or delete {self.out}")
         self.step, self.best = state["step"], state["best"]

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from draftsmith.data.errors import UserError
+from draftsmith.train.attention import attend_shared_and_own_keys
 from draftsmith.train.loss import teacher_from_final_hidden, ttt_step_loss
 from draftsmith.train.ttt import ATTENTION_IMPLS, check_document_ids, flex_functions, shift_for_ttt
 
@@ -140,11 +142,11 @@ class PEagleAttention:
 
     def __init__(self, anchor, depth, document_ids, impl: str, device, chunk_size: int = 512):
         if impl not in ATTENTION_IMPLS:
-            raise ValueError(f"P-EAGLE attention {impl!r} is not one of {ATTENTION_IMPLS}")
+            raise UserError(f"P-EAGLE attention {impl!r} is not one of {ATTENTION_IMPLS}")
         check_document_ids(document_ids[None])
         T = document_ids.numel()
         if not torch.equal(anchor[:T], torch.arange(T)) or bool(depth[:T].any()):
-            raise ValueError("elements must start with depth 0 at every anchor 0..T-1, in order")
+            raise UserError("elements must start with depth 0 at every anchor 0..T-1, in order")
         self.impl, self.block_mask = impl, None
         self.anchor, self.depth = anchor.to(device), depth.to(device)
         self.document_ids = document_ids.to(device)
@@ -185,22 +187,10 @@ def blockwise_peagle_attention(q, k, v, att: PEagleAttention) -> torch.Tensor:
 
 def attend_element_chunk(q, k0, v0, doc_q, anchor_q, depth_q, doc_k, k_start: int, k_chain, v_chain):
     """One softmax over [depth-0 keys k_start.. | own chain keys] for queries q [B, kvh, g, C, d]."""
-    work = torch.promote_types(q.dtype, torch.float32)
-    qw = q.to(work) * q.shape[-1] ** -0.5  # scaled once here rather than over [C, S] scores
-    scores = qw @ k0.to(work).unsqueeze(2).transpose(-1, -2)  # [B, kvh, g, C, S]
     anchor_k = torch.arange(k_start, k_start + doc_k.numel(), device=q.device)
     visible = peagle_visible(doc_q[:, None], anchor_q[:, None], depth_q[:, None], doc_k[None], anchor_k[None],
                              torch.zeros_like(anchor_k)[None])  # [C, S]
-    scores = torch.where(visible, scores, float("-inf"))
-    if k_chain is not None:
-        chain = torch.einsum("bkgcd,bkcjd->bkgcj", qw, k_chain.to(work))  # [B, kvh, g, C, depth]
-        scores = torch.cat([scores, chain], dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    S = k0.shape[-2]
-    out = probs[..., :S] @ v0.to(work).unsqueeze(2)  # [B, kvh, g, C, d]
-    if v_chain is not None:
-        out = out + torch.einsum("bkgcj,bkcjd->bkgcd", probs[..., S:], v_chain.to(work))
-    return out.to(q.dtype)
+    return attend_shared_and_own_keys(q, k0, v0, visible[None], k_chain, v_chain)
 
 
 def peagle_block_mask(anchor, depth, document_ids):

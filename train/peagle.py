@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from draftsmith.data.cli import build_arg_parser, log_run_header, parse_run_args, run_entry
 from draftsmith.data.config import RunConfig
+from draftsmith.data.errors import UserError
 from draftsmith.train.build import build_drafter, drafter_spec, load_checked_dataset, load_teacher_head
 from draftsmith.train.loop import Method, build_accelerator, evaluate_rows, run_training
 from draftsmith.train.parallel import (ParallelSetup, all_chain_elements, cod_sample, parallel_loss,
@@ -104,7 +105,7 @@ def check_peagle_config(cfg: RunConfig) -> None:
     """The drafter must be trained for at least as many depths as any K served (DESIGN section 5)."""
     k_max = max(cfg.export.num_speculative_tokens)
     if cfg.peagle.num_depths < max(k_max, 2):
-        raise ValueError(f"peagle.num_depths={cfg.peagle.num_depths} must be >= 2 and >= the largest "
+        raise UserError(f"peagle.num_depths={cfg.peagle.num_depths} must be >= 2 and >= the largest "
                          f"export.num_speculative_tokens ({k_max}); raise peagle.num_depths")
 
 

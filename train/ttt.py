@@ -10,6 +10,9 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from draftsmith.data.errors import UserError
+from draftsmith.train.attention import attend_shared_and_own_keys
+
 ATTENTION_IMPLS = ("blockwise", "flex")
 
 
@@ -77,7 +80,7 @@ class TTTAttention:
 
     def __init__(self, document_ids: torch.Tensor, impl: str, chunk_size: int = 512):
         if impl not in ATTENTION_IMPLS:
-            raise ValueError(f"TTT attention {impl!r} is not one of {ATTENTION_IMPLS}")
+            raise UserError(f"TTT attention {impl!r} is not one of {ATTENTION_IMPLS}")
         check_document_ids(document_ids)
         self.document_ids, self.impl, self.chunk_size = document_ids, impl, chunk_size
         self.keys: dict[int, list[torch.Tensor]] = {}
@@ -107,7 +110,7 @@ def check_document_ids(document_ids: torch.Tensor) -> None:
         ids = document_ids[row]
         num_docs = ids[ids >= 0].unique().numel()
         if int(num_runs[row]) != num_docs:
-            raise ValueError(f"row {row}: a document id appears in more than one run; packed documents must be contiguous")
+            raise UserError(f"row {row}: a document id appears in more than one run; packed documents must be contiguous")
 
 
 def query_chunks(document_ids: torch.Tensor, chunk_size: int) -> list[tuple[int, int, int]]:
@@ -145,21 +148,7 @@ def blockwise_ttt_attention(q, keys, values, document_ids, chunks) -> torch.Tens
 
 def attend_query_chunk(q, k0, v0, doc_q, doc_k, q_start: int, k_start: int, k_diag, v_diag) -> torch.Tensor:
     """One softmax over [visible step-0 keys | own diagonal keys] for queries q [B, kvh, g, C, d]."""
-    work = torch.promote_types(q.dtype, torch.float32)
-    scale = q.shape[-1] ** -0.5
-    qw = q.to(work)
-    scores = qw @ k0.to(work).unsqueeze(2).transpose(-1, -2) * scale  # [B, kvh, g, C, S]
-    allowed = context_mask(doc_q, doc_k, q_start, k_start)  # [B, C, S]
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    if k_diag is not None:
-        diag = torch.einsum("bkgcd,bkcjd->bkgcj", qw, k_diag.to(work)) * scale  # [B, kvh, g, C, j]
-        scores = torch.cat([scores, diag], dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    S = k0.shape[-2]
-    out = probs[..., :S] @ v0.to(work).unsqueeze(2)  # [B, kvh, g, C, d]
-    if v_diag is not None:
-        out = out + torch.einsum("bkgcj,bkcjd->bkgcd", probs[..., S:], v_diag.to(work))
-    return out.to(q.dtype)
+    return attend_shared_and_own_keys(q, k0, v0, context_mask(doc_q, doc_k, q_start, k_start), k_diag, v_diag)
 
 
 def context_mask(doc_q, doc_k, q_start: int, k_start: int) -> torch.Tensor:
