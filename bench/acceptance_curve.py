@@ -1,0 +1,74 @@
+"""Acceptance vs training budget on the demo's dataset: one longer run of the demo recipe, evaluated on the
+held-out split as it trains (simulated acceptance length), then exported and served in vLLM at its end.
+
+Usage: python bench/acceptance_curve.py [--config smollm2-demo] [--steps 400] [--out runs/curve]
+
+It reuses the demo's dataset (run `make demo` first) and prints one table: training tokens -> per-step held-out
+accuracy and simulated AL at K=1..J, then the served figures of the final drafter beside the demo's own
+validation.json (when present), so the demo budget and a larger one compare in one place.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(stage: str, config: str, overrides: list[str]) -> None:
+    cmd = [sys.executable, str(ROOT / stage), "--config", config, *overrides]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def eval_history(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "train" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "eval_sim_al" in r]
+
+
+def served_line(name: str, path: Path) -> str:
+    if not path.is_file():
+        return f"{name}: no validation.json at {path}"
+    v = json.loads(path.read_text())
+    by_k = " ".join(f"K{k}={al:.2f}" for k, al in v["acceptance_length_by_k"].items())
+    rates = " ".join(f"{r:.2f}" for r in v["acceptance_rate_per_position"])
+    return (f"{name}: served AL {by_k}; per-position {rates}; lossless {v['lossless']}; "
+            f"recommended K {v['recommended_k']}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="smollm2-demo")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--out", default=None, help="run folder (default: runs/<config>-steps<N>)")
+    args = p.parse_args()
+    demo_dir = ROOT / "runs" / args.config
+    out = Path(args.out) if args.out else ROOT / "runs" / f"{args.config}-steps{args.steps}"
+    if not (demo_dir / "dataset" / "manifest.json").is_file():
+        sys.exit(f"error: {demo_dir / 'dataset'} is not built; run `make demo` first")
+    overrides = [f"output_dir={out}", f"data.dataset_dir={demo_dir / 'dataset'}", f"train.max_steps={args.steps}",
+                 f"train.eval_every={max(args.steps // 8, 1)}", f"train.save_every={args.steps}"]
+    run("train/eagle3.py", args.config, overrides)
+    run("export/speculators.py", args.config, overrides)
+    run("export/validate.py", args.config, [*overrides, "export.ngram_baseline=false"])
+
+    batch_tokens = yaml.safe_load((out / "train" / "config.yaml").read_text())["train"]["batch_tokens"]
+    print(f"\nheld-out simulated acceptance, {args.config} recipe trained for {args.steps} steps "
+          f"x {batch_tokens} tokens:")
+    print("| step | packed tokens | per-step accuracy | simulated AL by K |")
+    print("|---|---|---|---|")
+    for r in eval_history(out):
+        acc = " ".join(f"{a:.3f}" for a in r["eval_acc"])
+        al = " ".join(f"K{k}={v:.2f}" for k, v in r["eval_sim_al"].items())
+        print(f"| {r['step']} | {r['step'] * batch_tokens} | {acc} | {al} |")
+    print(served_line(f"demo budget ({demo_dir.name})", demo_dir / "validation.json"))
+    print(served_line(f"{args.steps} steps ({out.name})", out / "validation.json"))
+
+
+if __name__ == "__main__":
+    main()
