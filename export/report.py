@@ -46,10 +46,15 @@ def render_markdown(r: dict) -> str:
              (f"**Recommended K: {best}** (K=0: no drafter), from step time {_fmt(cm['c0_ms'])} ms + K x "
               f"{_fmt(cm['c_draft_ms'])} ms; expected speed-up {_fmt(cm['expected_speedup_by_k'][str(best)])}x.")]
     mismatch = r["train_serve_mismatch"]
-    if mismatch["mismatch"]:
-        lines += ["", (f"**Warning: train/serve mismatch**: the trainer simulated acceptance length "
-                       f"{_fmt(mismatch['train_simulated_acceptance_length'])}, vLLM served "
-                       f"{_fmt(mismatch['served_acceptance_length'])}.")]
+    if mismatch["checked"]:
+        figures = (f"the trainer simulated acceptance length {_fmt(mismatch['train_simulated_acceptance_length'])} "
+                   f"at K={mismatch.get('k')} on these prompts, vLLM served {_fmt(mismatch['served_acceptance_length'])} "
+                   f"({100 * mismatch['relative_difference']:.0f}% apart, tolerance "
+                   f"{100 * mismatch['tolerance']:.0f}%)")
+        lines += ["", f"**Warning: train/serve mismatch**: {figures}." if mismatch["mismatch"]
+                  else f"Train/serve check: {figures}."]
+    else:
+        lines += ["", f"Train/serve check not run: {mismatch['reason']}."]
     if not r["lossless"]:
         lines += ["", "**Warning: outputs differ from the target alone** (first_mismatch in validation.json)."]
     return "\n".join(lines) + "\n"

@@ -109,20 +109,25 @@ def summarize_run(run: ServedRun, k: int, baseline: ServedRun) -> dict:
             "server_start_s": run.start_s}
 
 
-def check_train_serve(run_dir: Path, k: int, served_al: float, default_prompts: bool) -> dict:
-    """Compare the trainer's simulated acceptance length at K with the served one; flag a gap over 10%."""
+def check_train_serve(run_dir: Path, served_al_by_k: dict[str, float], default_prompts: bool) -> dict:
+    """Compare the trainer's simulated acceptance length with the served one at the deepest K both have (the
+    trainer simulates K <= its TTT steps; the served rates give every K <= the served one); flag a gap over 10%."""
     path = run_dir / "train" / "eval_heldout.json"
     if not default_prompts or not path.is_file():
         why = "custom --prompts" if not default_prompts else f"{path} not found"
         return {"checked": False, "reason": why, "mismatch": False}
-    simulated = read_json(path, "trainer eval").get("simulated_acceptance_length", {}).get(str(k))
-    if simulated is None:
-        return {"checked": False, "reason": f"{path} has no simulated acceptance length at K={k}", "mismatch": False}
+    simulated_by_k = read_json(path, "trainer eval").get("simulated_acceptance_length", {})
+    common = sorted(set(simulated_by_k) & set(served_al_by_k), key=int)
+    if not common:
+        return {"checked": False, "reason": f"{path} and the served run share no K", "mismatch": False}
+    k = common[-1]
+    simulated, served_al = simulated_by_k[k], served_al_by_k[k]
     gap = abs(served_al - simulated) / simulated
-    block = {"checked": True, "train_simulated_acceptance_length": simulated, "served_acceptance_length": served_al,
-             "relative_difference": gap, "tolerance": MISMATCH_TOLERANCE, "mismatch": gap > MISMATCH_TOLERANCE}
+    block = {"checked": True, "k": int(k), "train_simulated_acceptance_length": simulated,
+             "served_acceptance_length": served_al, "relative_difference": gap, "tolerance": MISMATCH_TOLERANCE,
+             "mismatch": gap > MISMATCH_TOLERANCE}
     if block["mismatch"]:
-        logger.warning("TRAIN/SERVE MISMATCH: the trainer simulated acceptance length %.3f at K=%d on the held-out "
+        logger.warning("TRAIN/SERVE MISMATCH: the trainer simulated acceptance length %.3f at K=%s on the held-out "
                        "prompts, vLLM served %.3f (%.0f%% apart): check aux layer ids, chat template, norms, vocab",
                        simulated, k, served_al, 100 * gap)
     return block
@@ -139,6 +144,7 @@ def build_report(cfg, runs: dict[str, ServedRun], drafter: dict, drafter_dir: Pa
     c0, c_draft = serve.fit_step_cost([(0, base.step_time_s)] + [(e["num_speculative_tokens"],
                                                                   e["step_time_ms"] / 1e3) for e in entries])
     best_k, speed = serve.recommend_k(top["acceptance_rate_per_position"], c0, c_draft)
+    acceptance_by_k = {str(k): v for k, v in serve.acceptance_length_by_k(top["acceptance_rate_per_position"]).items()}
     return {
         "method": drafter["method"], "drafter_dir": str(drafter_dir), "target": target,
         **{key: top[key] for key in ("num_speculative_tokens", "acceptance_length", "acceptance_rate_per_position",
@@ -149,8 +155,7 @@ def build_report(cfg, runs: dict[str, ServedRun], drafter: dict, drafter_dir: Pa
         "num_prompts": len(base.token_ids), "max_tokens": cfg.export.max_tokens, "concurrency": cfg.export.concurrency,
         "output_tokens_per_s": {"with_drafter": top["output_tokens_per_s"], "without_drafter": base.output_tokens_per_s,
                                 "ngram": ngram_block and ngram_block["output_tokens_per_s"]},
-        "acceptance_length_by_k": {str(k): v for k, v in
-                                   serve.acceptance_length_by_k(top["acceptance_rate_per_position"]).items()},
+        "acceptance_length_by_k": acceptance_by_k,
         "tokens_per_target_step": {"drafter": top["tokens_per_target_step"],
                                    "none": serve.tokens_per_target_step(base.output_tokens, base.delta.accepted),
                                    "ngram": ngram_block and ngram_block["tokens_per_target_step"]},
@@ -159,8 +164,7 @@ def build_report(cfg, runs: dict[str, ServedRun], drafter: dict, drafter_dir: Pa
         "cost_model": {"c0_ms": 1e3 * c0, "c_draft_ms": 1e3 * c_draft,
                        "expected_speedup_by_k": {str(k): v / speed[0] for k, v in speed.items()}},
         "ngram": ngram_block,
-        "train_serve_mismatch": check_train_serve(cfg.run_dir(), top["num_speculative_tokens"],
-                                                  top["acceptance_length"], default_prompts),
+        "train_serve_mismatch": check_train_serve(cfg.run_dir(), acceptance_by_k, default_prompts),
         "server_start_s": {label: run.start_s for label, run in runs.items()},
         "entries": entries if len(entries) > 1 else None,
         "versions": versions(),

@@ -287,9 +287,13 @@ def test_report_from_measured_runs(tmp_path):
     mismatch = report["train_serve_mismatch"]
     assert mismatch["checked"] and not mismatch["mismatch"]
     assert mismatch["relative_difference"] == pytest.approx(0.1 / 2.1)
-    assert validate.check_train_serve(run_dir, 3, 2.1 * 1.12, default_prompts=True)["mismatch"] is True
-    assert validate.check_train_serve(run_dir, 3, 2.1 * 0.92, default_prompts=True)["mismatch"] is False
-    assert validate.check_train_serve(run_dir, 3, 1.0, default_prompts=False)["checked"] is False
+    assert validate.check_train_serve(run_dir, {"3": 2.1 * 1.12}, default_prompts=True)["mismatch"] is True
+    assert validate.check_train_serve(run_dir, {"3": 2.1 * 0.92}, default_prompts=True)["mismatch"] is False
+    assert validate.check_train_serve(run_dir, {"3": 1.0}, default_prompts=False)["checked"] is False
+    # served deeper than the trainer simulated (K=5 vs 3 TTT steps): compared at the deepest common K
+    deeper = validate.check_train_serve(run_dir, {"1": 1.5, "2": 1.8, "3": 2.0, "4": 2.1, "5": 2.15}, True)
+    assert deeper["k"] == 3 and deeper["served_acceptance_length"] == 2.0 and not deeper["mismatch"]
+    assert validate.check_train_serve(run_dir, {"4": 2.0}, True)["checked"] is False
     markdown = render_markdown(report)
     assert "| eagle3 | 3 | 2.00 | 1.67 |" in markdown and "**Recommended K: 1**" in markdown
     plot_acceptance(report, tmp_path / "acc.png")
