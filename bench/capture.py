@@ -27,7 +27,8 @@ def timed(fn, repeats: int) -> float:
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--target", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="float32", help="target compute dtype (the demo's on a CPU without bf16)")
+    p.add_argument("--storage-dtype", default="bfloat16", help="dtype of the stored hidden states")
     p.add_argument("--batches", type=int, default=6)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
@@ -50,12 +51,12 @@ def main():
             for f in Path(d).iterdir():
                 f.unlink()
             return capture_to_shards(model, samples, aux_ids, Path(d), "train", 0, a.batch, a.batch * a.seq, 0,
-                                     getattr(torch, a.dtype))
+                                     getattr(torch, a.storage_dtype))
         cap = timed(capture, a.repeats)
         disk = sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
     h, n_aux = cfg.hidden_size, len(aux_ids)
     goal = (n_aux + 1) * h * 2 + 16
-    print(f"target {a.target} ({a.dtype}), {len(batches)} batches x {a.batch} x <= {a.seq} tokens = {tokens} tokens, "
+    print(f"target {a.target} ({a.dtype}, stored as {a.storage_dtype}), {len(batches)} batches x {a.batch} x <= {a.seq} tokens = {tokens} tokens, "
           f"aux ids {aux_ids}, torch threads {torch.get_num_threads()}")
     print(f"{'run':34s} {'tokens/s':>10s} {'time vs bare':>13s}")
     for name, t in (("bare forward (causal LM, logits)", bare), ("decoder-only forward (no lm_head)", decoder),

@@ -9,11 +9,23 @@ from pathlib import Path
 import torch
 
 from draftsmith.data.chat import render_with_loss_mask
-from draftsmith.data.cli import build_arg_parser, log_run_header, parse_run_args, run_entry, save_resolved_config
+from draftsmith.data.cli import (
+    build_arg_parser,
+    log_run_header,
+    parse_run_args,
+    run_entry,
+    save_resolved_config,
+)
 from draftsmith.data.config import RunConfig, config_sha256
 from draftsmith.data.errors import UserError
 from draftsmith.data.layer_ids import resolve_aux_layer_ids
-from draftsmith.data.manifest import atomic_write_bytes, atomic_write_json, read_json, sha256_text, target_identity
+from draftsmith.data.manifest import (
+    atomic_write_bytes,
+    atomic_write_json,
+    read_json,
+    sha256_text,
+    target_identity,
+)
 from draftsmith.data.prompts import build_prompt_splits
 from draftsmith.data.shards import FORMAT
 from draftsmith.data.target import load_target_config, load_target_model, load_tokenizer, resolve_target_path

@@ -176,6 +176,7 @@ def versions() -> dict:
 
     import torch
     import transformers
+
     from draftsmith.export.vllm_cli import vllm_version_aware
 
     return {"vllm": vllm_version_aware("vllm"), "torch": torch.__version__, "transformers": transformers.__version__,

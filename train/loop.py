@@ -16,9 +16,14 @@ from draftsmith.data.cli import save_resolved_config
 from draftsmith.data.config import RunConfig, TrainConfig, config_sha256, config_to_dict
 from draftsmith.data.errors import UserError
 from draftsmith.data.manifest import atomic_write_json
-from draftsmith.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_drafter_bundle
-from draftsmith.train.metrics_log import MetricsLog
+from draftsmith.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    save_drafter_bundle,
+)
 from draftsmith.train.loss import simulated_acceptance_length
+from draftsmith.train.metrics_log import MetricsLog
 from draftsmith.train.packing import DataPosition, eval_rows, next_row
 
 logger = logging.getLogger(__name__)

@@ -15,8 +15,13 @@ from draftsmith.data.config import RunConfig
 from draftsmith.data.errors import UserError
 from draftsmith.train.build import build_drafter, drafter_spec, load_checked_dataset, load_teacher_head
 from draftsmith.train.loop import Method, build_accelerator, evaluate_rows, run_training
-from draftsmith.train.parallel import (ParallelSetup, all_chain_elements, cod_sample, parallel_loss,
-                                       shift_parallel_row)
+from draftsmith.train.parallel import (
+    ParallelSetup,
+    all_chain_elements,
+    cod_sample,
+    parallel_loss,
+    shift_parallel_row,
+)
 from draftsmith.train.ttt import pick_attention_impl
 
 logger = logging.getLogger("draftsmith.train.peagle")

@@ -42,6 +42,20 @@ SERVE_SCRIPT = textwrap.dedent('''
 
     model_utils.AutoWeightsLoader.load_weights = recording_load
 
+    from vllm.v1.spec_decode import llm_base_proposer
+    _load_model = llm_base_proposer.SpecDecodeBaseProposer.load_model
+
+    def recording_load_model(self, target_model):
+        """After loading (and embedding sharing): what a parallel drafter will actually run with."""
+        _load_model(self, target_model)
+        if getattr(self, "parallel_drafting", False):
+            embed = self.model.model.embed_tokens.weight
+            RECORD["mask_token_id"] = int(self.parallel_drafting_token_id)
+            RECORD["mask_hidden"] = self.model.mask_hidden.detach().float().flatten().tolist()
+            RECORD["embed_rows"] = {str(i): embed[i].detach().float().tolist() for i in (0, 1, 4097)}
+
+    llm_base_proposer.SpecDecodeBaseProposer.load_model = recording_load_model
+
     def counter(llm, name):
         return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
 
@@ -115,8 +129,9 @@ def random_drafter(spec: dict, seed: int) -> dict[str, torch.Tensor]:
     used = torch.arange(v_d) * (v_t // v_d)
     sd["d2t"], sd["t2d"] = used - torch.arange(v_d), torch.zeros(v_t, dtype=torch.bool)
     sd["t2d"][used] = True
-    # eagle3 holds a frozen copy of the target's embedding too; the writer leaves it out
-    sd.setdefault("embed_tokens.weight", torch.zeros(v_t, spec["hidden_size"]))
+    # eagle3 holds a frozen copy of the target's embedding too; the writer leaves it out. P-EAGLE trains its own
+    # (the mask token's row above all), so it gets distinct values the loaded model can be checked against.
+    sd.setdefault("embed_tokens.weight", 0.02 * torch.randn(v_t, spec["hidden_size"], generator=g))
     return sd
 
 
@@ -146,11 +161,12 @@ def served(tmp_path_factory):
 
     target = resolve_target_path("smollm2")
     root = tmp_path_factory.mktemp("vllm_load")
-    jobs = {}
+    jobs, written = {}, {}
     for seed, (name, (layout, overrides)) in enumerate(DRAFTERS.items()):
         spec = target_spec(target, **overrides)
+        written[name] = random_drafter(spec, seed)
         folder = write_drafter_folder(
-            random_drafter(spec, seed), spec, root / name, layout, "bfloat16", NUM_SPECULATIVE_TOKENS
+            written[name], spec, root / name, layout, "bfloat16", NUM_SPECULATIVE_TOKENS
         )
         spec_cfg = {
             "method": "eagle3",
@@ -179,7 +195,8 @@ def served(tmp_path_factory):
         log = f"timed out after {SERVE_TIMEOUT_S} s"  # the jobs that finished still count
     results_path = root / "results.json"
     assert results_path.is_file(), f"serve script wrote no results ({log})"
-    return {name: {"error": log} for name in jobs} | json.loads(results_path.read_text())
+    results = {name: {"error": log} for name in jobs} | json.loads(results_path.read_text())
+    return {name: {**r, "written": written[name]} for name, r in results.items()}
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
@@ -201,3 +218,16 @@ def test_outputs_identical_across_drafters(served):
     """Greedy speculative decoding is lossless: all three drafters must yield the same tokens."""
     outputs = {name: tuple(r.get("token_ids", ())) for name, r in served.items()}
     assert len(set(outputs.values())) == 1 and () not in outputs.values(), outputs
+
+
+def test_parallel_drafter_runs_with_the_trained_mask_token_hidden_and_embeddings(served):
+    """vLLM must serve P-EAGLE with our mask_token_id, mask_hidden and embed_tokens, not defaults or the target's."""
+    result = served["speculators-peagle"]
+    assert "error" not in result, result["error"]
+    sd = result["written"]
+    as_served = lambda t: t.to(torch.bfloat16).float()  # the engine runs in bfloat16
+    assert result["mask_token_id"] == DRAFTERS["speculators-peagle"][1]["mask_token_id"]
+    torch.testing.assert_close(torch.tensor(result["mask_hidden"]), as_served(sd["mask_hidden"]).flatten())
+    for row, values in result["embed_rows"].items():
+        torch.testing.assert_close(torch.tensor(values), as_served(sd["embed_tokens.weight"][int(row)]))
+
