@@ -65,13 +65,14 @@ def tokenize_samples(conversations: list[dict], tokenizer, max_seq_len: int) -> 
     return samples
 
 
-def regenerated_conversations(records, tokenizer, target_path, cfg: RunConfig, out: Path) -> list[dict]:
+def regenerated_conversations(records, tokenizer, target_path, identity: dict, cfg: RunConfig,
+                              out: Path) -> list[dict]:
     """All splits in one call, so the generation engine starts once."""
     if not cfg.data.regenerate.enabled:
         return records
     from draftsmith.data.regenerate import regenerate_responses
 
-    return regenerate_responses(records, tokenizer, target_path, cfg.target.dtype, cfg.data.regenerate,
+    return regenerate_responses(records, tokenizer, target_path, identity, cfg.target.dtype, cfg.data.regenerate,
                                 out / "regenerated.jsonl", cfg.data.max_seq_len)
 
 
@@ -101,7 +102,7 @@ def main(argv=None) -> None:
     train, heldout = build_prompt_splits(cfg.data.prompts)
     write_jsonl(out / "prompts-train.jsonl", [{"messages": r["messages"]} for r in train])
     write_jsonl(out / "prompts-heldout.jsonl", [{"messages": r["messages"]} for r in heldout])
-    convs = regenerated_conversations(train + heldout, tokenizer, target_path, cfg, out)
+    convs = regenerated_conversations(train + heldout, tokenizer, target_path, identity, cfg, out)
     samples = {"train": tokenize_samples(convs[: len(train)], tokenizer, cfg.data.max_seq_len),
                "heldout": tokenize_samples(convs[len(train):], tokenizer, cfg.data.max_seq_len)}
     from draftsmith.data.capture import capture_to_shards

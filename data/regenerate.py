@@ -30,9 +30,12 @@ def choose_backend(cfg: RegenerateConfig) -> str:
     return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
 
 
-def sampling_record(cfg: RegenerateConfig, backend: str, target_path: str) -> dict:
-    return {"backend": backend, "target": str(target_path), "max_new_tokens": cfg.max_new_tokens,
-            "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+def sampling_record(cfg: RegenerateConfig, backend: str, target: dict) -> dict:
+    """What the responses depend on. The target is named by its identity (name and config hash), not by the
+    folder it was loaded from, so a moved cache ($DRAFTSMITH_CACHE) does not invalidate finished responses."""
+    return {"backend": backend, "target": {k: target[k] for k in ("name_or_path", "config_sha256")},
+            "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+            "seed": cfg.seed}
 
 
 def prompt_key(messages: list[dict]) -> str:
@@ -110,11 +113,11 @@ class VllmGenerator:
         del self.llm
 
 
-def regenerate_responses(records: list[dict], tokenizer, target_path: str, target_dtype: str,
+def regenerate_responses(records: list[dict], tokenizer, target_path: str, target_identity: dict, target_dtype: str,
                          cfg: RegenerateConfig, out_path: Path, max_seq_len: int) -> list[dict]:
     """records[i]["messages"] -> same conversations with the last assistant turn written by the target."""
     backend = choose_backend(cfg)
-    params = sampling_record(cfg, backend, target_path)
+    params = sampling_record(cfg, backend, target_identity)
     params_path = out_path.with_suffix(".params.json")
     if params_path.is_file() and read_json(params_path) != params:
         raise UserError(f"{out_path} was generated with {read_json(params_path)}, now {params}; "
@@ -145,7 +148,7 @@ def _generate_in_batches(gen, todo, prompts, records, tokenizer, cfg, out_path, 
                 text = tokenizer.decode(out, skip_special_tokens=True)
                 messages = prompt_messages(records[i]["messages"]) + [{"role": "assistant", "content": text.strip()}]
                 done[i] = {"index": i, "prompt_key": prompt_key(records[i]["messages"]), "messages": messages,
-                           "num_tokens": len(out), "group": records[i]["group"]}
+                           "num_tokens": len(out), "group": records[i].get("group")}
                 f.write(json.dumps(done[i]) + "\n")
                 new_tokens += len(out)
             f.flush()
