@@ -1,4 +1,6 @@
 """Strict config loading: unknown keys, wrong types, bad choices and overrides."""
+import dataclasses
+
 import pytest
 
 from draftsmith.data.config import ConfigError, load_config
@@ -75,4 +77,4 @@ def test_dataset_dir_defaults_to_the_run_folder_and_can_be_shared():
     peagle, _ = load_config("smollm2-peagle")
     assert peagle.dataset_dir() == cfg.dataset_dir() and peagle.run_dir() != cfg.run_dir()
     # sharing a dataset only makes sense with the same data recipe: the two demo configs must agree
-    assert peagle.data == cfg.data.__class__(**{**cfg.data.__dict__, "dataset_dir": peagle.data.dataset_dir})
+    assert peagle.data == dataclasses.replace(cfg.data, dataset_dir=peagle.data.dataset_dir)
