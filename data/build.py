@@ -2,6 +2,7 @@
 states in shards -> draft vocab. Usage: python data/build.py --config smollm2-demo [key=value ...]"""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -16,7 +17,7 @@ from draftsmith.data.cli import (
     run_entry,
     save_resolved_config,
 )
-from draftsmith.data.config import RunConfig, config_sha256
+from draftsmith.data.config import RunConfig, config_sha256, config_to_dict
 from draftsmith.data.errors import UserError
 from draftsmith.data.layer_ids import resolve_aux_layer_ids
 from draftsmith.data.manifest import (
@@ -48,6 +49,23 @@ def check_existing_dataset(out: Path, identity: dict, aux_ids: list[int]) -> Non
         if want != have:
             raise UserError(f"{out} was built with {key}={have}, the config now gives {want}; "
                              f"use another output_dir or delete {out}")
+
+
+def data_recipe_sha256(cfg: RunConfig, identity: dict, aux_ids: list[int]) -> str:
+    """Hash of everything that decides a dataset's content: the target, the aux ids and the data section.
+
+    dataset_dir (where it lives) and capture_batch_tokens (how fast it is captured) are left out, so two
+    runs sharing one dataset (smollm2-demo, smollm2-peagle) agree.
+    """
+    data = dataclasses.replace(cfg.data, dataset_dir="", capture_batch_tokens=0)
+    return sha256_text(json.dumps({"target": identity, "aux_layer_ids": aux_ids,
+                                   "data": config_to_dict(data)}, sort_keys=True))
+
+
+def finished_with_same_recipe(out: Path, recipe_sha256: str) -> bool:
+    """True when out/manifest.json exists (the build finished) and records the same data recipe."""
+    path = out / "manifest.json"
+    return path.is_file() and read_json(path, "dataset manifest").get("data_recipe_sha256") == recipe_sha256
 
 
 def tokenize_samples(conversations: list[dict], tokenizer, max_seq_len: int) -> list[dict]:
@@ -95,6 +113,11 @@ def main(argv=None) -> None:
     identity = target_identity(cfg.target.name_or_path, hf_cfg)
     aux_ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids, identity["num_hidden_layers"])
     check_existing_dataset(out, identity, aux_ids)
+    recipe = data_recipe_sha256(cfg, identity, aux_ids)
+    if finished_with_same_recipe(out, recipe):
+        # a second run over a shared dataset must not rewrite its prompts, vocab or manifest
+        logger.info("dataset %s is complete and was built with the same data settings: nothing to do", out)
+        return
     out.mkdir(parents=True, exist_ok=True)
     save_resolved_config(cfg, cfg.run_dir() / "config.yaml")
     atomic_write_json(out / "build.json", {"target": identity, "aux_layer_ids": aux_ids})
@@ -123,6 +146,7 @@ def main(argv=None) -> None:
         "prompt_source": {"source": cfg.data.prompts.source, "path": cfg.data.prompts.path,
                           "split": cfg.data.prompts.split},
         "regenerate": json.loads(json.dumps(cfg.data.regenerate.__dict__)), "config_sha256": config_sha256(cfg),
+        "data_recipe_sha256": recipe,
     }
     build_vocab(out, samples["train"], identity["vocab_size"], cfg.data.draft_vocab_size)
     atomic_write_json(out / "manifest.json", manifest)  # last: its presence means the dataset is complete

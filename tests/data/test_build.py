@@ -1,0 +1,41 @@
+"""data/build.py on a finished dataset: a second run with the same data recipe changes nothing."""
+from __future__ import annotations
+
+import dataclasses
+
+from transformers import AutoConfig
+
+from draftsmith.data.build import data_recipe_sha256, finished_with_same_recipe, main
+from draftsmith.data.config import load_config
+from draftsmith.data.manifest import atomic_write_json, target_identity
+
+
+def test_the_demo_and_peagle_configs_share_one_recipe_and_a_data_change_breaks_it():
+    identity = {"name_or_path": "smollm2", "config_sha256": "x"}
+    demo, _ = load_config("smollm2-demo")
+    peagle, _ = load_config("smollm2-peagle")
+    aux = [2, 15, 27]
+    assert data_recipe_sha256(demo, identity, aux) == data_recipe_sha256(peagle, identity, aux)
+    other_vocab = dataclasses.replace(demo, data=dataclasses.replace(demo.data, draft_vocab_size=4096))
+    assert data_recipe_sha256(other_vocab, identity, aux) != data_recipe_sha256(demo, identity, aux)
+    assert data_recipe_sha256(demo, identity, [1, 15, 27]) != data_recipe_sha256(demo, identity, aux)
+
+
+def test_a_finished_dataset_with_the_same_recipe_is_left_untouched(tiny_target_dir, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'run'}\n"
+                      f"target: {{name_or_path: {tiny_target_dir}, dtype: float32, aux_layer_ids: [1, 2, 3]}}\n"
+                      "data: {prompts: {max_prompts: 4}, regenerate: {enabled: false}, draft_vocab_size: 16}\n")
+    cfg, _ = load_config(str(config))
+    identity = target_identity(str(tiny_target_dir), AutoConfig.from_pretrained(tiny_target_dir))
+    out = cfg.dataset_dir()
+    out.mkdir(parents=True)
+    assert not finished_with_same_recipe(out, data_recipe_sha256(cfg, identity, [1, 2, 3]))
+    atomic_write_json(out / "manifest.json", {"data_recipe_sha256": data_recipe_sha256(cfg, identity, [1, 2, 3])})
+    before = (out / "manifest.json").read_bytes()
+    main(["--config", str(config)])  # would load the tokenizer the tiny target lacks if it built anything
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]
+    assert (out / "manifest.json").read_bytes() == before
+    # a manifest from before the recipe hash (or another recipe) means: build as usual
+    atomic_write_json(out / "manifest.json", {"config_sha256": "old"})
+    assert not finished_with_same_recipe(out, data_recipe_sha256(cfg, identity, [1, 2, 3]))
