@@ -176,6 +176,9 @@ class TrainConfig:
     """Std of uniform-equivalent noise added to aux hidden states (0 = off)."""
     seed: int = 0
     """Seed for init, data order and noise."""
+    init_from: str = ""
+    """Exported drafter folder whose tensors start this run (warm start; "" = random init). Layers it
+    lacks start as the identity, so P-EAGLE can start from the EAGLE-3 drafter of the same dataset."""
     log_every: int = 10
     """Steps between log lines."""
     eval_every: int = 200

@@ -17,6 +17,7 @@ from draftsmith.data.shards import ShardedDataset
 from draftsmith.data.target import load_target_config, load_target_head, resolve_target_path
 from draftsmith.data.vocab import load_vocab
 from draftsmith.train.drafter import Drafter, drafter_dims, init_drafter_from_target
+from draftsmith.train.warm_start import init_drafter_from_exported
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ def build_drafter(cfg: RunConfig, hf_cfg, target_path: str, aux_ids: list[int], 
     drafter = Drafter(dims, cfg.drafter, parallel_drafting=parallel_drafting)
     head = load_target_head(target_path)
     init_drafter_from_target(drafter, head["embed"].float(), d2t, t2d)
+    if cfg.train.init_from:
+        init_drafter_from_exported(drafter, cfg.train.init_from)
     n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     logger.info("drafter: %d layer(s), H=%d, V_d=%d, %.1fM trainable parameters", cfg.drafter.num_layers,
                 dims.hidden_size, dims.draft_vocab_size, n_train / 1e6)
