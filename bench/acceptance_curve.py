@@ -2,10 +2,13 @@
 held-out split as it trains (simulated acceptance length), then exported and served in vLLM at its end.
 
 Usage: python bench/acceptance_curve.py [--config smollm2-demo] [--steps 400] [--out runs/curve]
+       python bench/acceptance_curve.py --config smollm2-peagle --method peagle --steps 250 \
+           --init-from runs/smollm2-demo-steps300/drafter peagle.num_depths=4
 
-It reuses the demo's dataset (run `make demo` first) and prints one table: training tokens -> per-step held-out
-accuracy and simulated AL at K=1..J, then the served figures of the final drafter beside the demo's own
-validation.json (when present), so the demo budget and a larger one compare in one place.
+It reuses the config's dataset (run `make demo` first) and prints one table: training tokens -> per-step (or
+per-depth) held-out accuracy and simulated AL at K=1..J, then the served figures of the final drafter beside
+the config's own validation.json (when present), so the demo budget and a larger one compare in one place.
+`--method peagle` trains with train/peagle.py; trailing key=value pairs override the config.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import sys
 from pathlib import Path
 
 import yaml
+
+from draftsmith.data.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,14 +51,19 @@ def main() -> None:
     p.add_argument("--config", default="smollm2-demo")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--out", default=None, help="run folder (default: runs/<config>-steps<N>)")
+    p.add_argument("--method", choices=["eagle3", "peagle"], default="eagle3", help="which trainer runs")
+    p.add_argument("--init-from", default="", help="exported drafter folder to start from (train.init_from)")
+    p.add_argument("overrides", nargs="*", help="extra key=value config overrides, e.g. peagle.num_depths=4")
     args = p.parse_args()
-    demo_dir = ROOT / "runs" / args.config
+    cfg, _ = load_config(args.config)
+    demo_dir, dataset = ROOT / "runs" / args.config, ROOT / cfg.dataset_dir()
     out = Path(args.out) if args.out else ROOT / "runs" / f"{args.config}-steps{args.steps}"
-    if not (demo_dir / "dataset" / "manifest.json").is_file():
-        sys.exit(f"error: {demo_dir / 'dataset'} is not built; run `make demo` first")
-    overrides = [f"output_dir={out}", f"data.dataset_dir={demo_dir / 'dataset'}", f"train.max_steps={args.steps}",
-                 f"train.eval_every={max(args.steps // 8, 1)}", f"train.save_every={args.steps}"]
-    run("train/eagle3.py", args.config, overrides)
+    if not (dataset / "manifest.json").is_file():
+        sys.exit(f"error: {dataset} is not built; run `make demo` first")
+    overrides = [f"output_dir={out}", f"data.dataset_dir={dataset}", f"train.max_steps={args.steps}",
+                 f"train.eval_every={max(args.steps // 8, 1)}", f"train.save_every={args.steps}",
+                 f"train.init_from={args.init_from}", *args.overrides]
+    run(f"train/{args.method}.py", args.config, overrides)
     run("export/speculators.py", args.config, overrides)
     run("export/validate.py", args.config, [*overrides, "export.ngram_baseline=false"])
 

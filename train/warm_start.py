@@ -20,7 +20,7 @@ from draftsmith.train.drafter import Drafter
 
 logger = logging.getLogger(__name__)
 
-OPTIONAL_IN_SOURCE = ("embed_tokens.weight", "mask_hidden", "t2d")
+OPTIONAL_IN_SOURCE = ("embed_tokens.weight", "mask_hidden", "t2d", "d2t")  # d2t: absent for a full vocab
 
 
 def read_exported_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
@@ -45,7 +45,8 @@ def init_drafter_from_exported(drafter: Drafter, folder: str | Path) -> None:
         if tuple(tensor.shape) != tuple(own[name].shape):
             raise UserError(f"train.init_from={folder}: {name} has shape {tuple(tensor.shape)}, this drafter "
                             f"has {tuple(own[name].shape)}; match drafter.* and the dataset to the source")
-    if not torch.equal(source["d2t"].long(), drafter.d2t):
+    source_d2t = source.get("d2t", torch.zeros_like(drafter.d2t))  # no d2t: draft vocab = target vocab
+    if not torch.equal(source_d2t.long(), drafter.d2t):
         raise UserError(f"train.init_from={folder}: its draft vocabulary (d2t) differs from this dataset's; "
                         "warm-start only from a drafter trained on the same vocab.safetensors")
     missing = sorted(own.keys() - source.keys())
