@@ -59,5 +59,5 @@ def init_drafter_from_exported(drafter: Drafter, folder: str | Path) -> None:
     for i in new_layers:  # residual branches off: layer i passes h through unchanged until it learns
         drafter.layers[i].self_attn.o_proj.weight.zero_()
         drafter.layers[i].mlp.down_proj.weight.zero_()
-    logger.info("drafter initialised from %s (%d tensors); layers %s start as the identity", folder,
-                len(source), new_layers or "none")
+    logger.info("drafter initialised from %s (%d tensors)%s", folder, len(source),
+                f"; layers {new_layers} start as the identity" if new_layers else "")
