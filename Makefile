@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.draftsmith-installed
 CONFIG ?= smollm2-demo
 
-.PHONY: setup test test-fast demo demo-peagle bench clean
+.PHONY: setup test test-fast demo demo-peagle peagle-warm bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +38,13 @@ demo-peagle: setup
 	$(PY) train/peagle.py --config smollm2-peagle
 	$(PY) export/speculators.py --config smollm2-peagle
 	$(PY) export/validate.py --config smollm2-peagle
+
+# P-EAGLE from a longer EAGLE-3 run (bench/results-peagle-warm-cpu.txt): ~80 minutes on 2 CPU cores.
+peagle-warm: setup
+	$(PY) data/build.py --config smollm2-demo
+	test -f runs/smollm2-demo-steps300/drafter/model.safetensors || $(PY) bench/acceptance_curve.py --steps 300
+	$(PY) bench/acceptance_curve.py --config smollm2-peagle --method peagle --steps 250 \
+		--init-from runs/smollm2-demo-steps300/drafter peagle.num_depths=4
 
 bench: setup
 	$(PY) bench/capture.py
