@@ -52,8 +52,10 @@ def init_drafter_from_exported(drafter: Drafter, folder: str | Path) -> None:
     missing = sorted(own.keys() - source.keys())
     new_layers = sorted({int(m.group(1)) for k in missing if (m := re.match(r"layers\.(\d+)\.", k))})
     lacking = [k for k in missing if not k.startswith("layers.") and k not in OPTIONAL_IN_SOURCE]
-    if lacking or 0 in new_layers:
-        raise UserError(f"train.init_from={folder}: the source lacks {(lacking or ['layers.0.*'])[:4]}")
+    partial = [i for i in new_layers if any(k.startswith(f"layers.{i}.") for k in source)]
+    if lacking or 0 in new_layers or partial:
+        what = lacking or [f"part of layers.{(partial or [0])[0]}.*"]
+        raise UserError(f"train.init_from={folder}: the source lacks {what[:4]}")
     for name, tensor in source.items():
         own[name].copy_(tensor.to(own[name].dtype))
     for i in new_layers:  # residual branches off: layer i passes h through unchanged until it learns

@@ -101,6 +101,12 @@ def test_refusals_name_the_problem(tmp_path):
         deep = write_drafter_folder(two.state_dict(), spec_of(two, "eagle3"), tmp_path / "two", "speculators",
                                     "float32", 3)
         init_drafter_from_exported(with_vocab_map(tiny_drafter()), deep)
+    two = with_vocab_map(tiny_drafter(seed=7, num_layers=2))
+    half = {k: v for k, v in two.state_dict().items() if "layers.1.mlp" not in k and k != "embed_tokens.weight"}
+    (tmp_path / "half").mkdir()
+    save_file(half, str(tmp_path / "half" / "model.safetensors"))
+    with pytest.raises(UserError, match="part of layers.1"):  # a layer is either all there or all new
+        init_drafter_from_exported(with_vocab_map(tiny_drafter(num_layers=2)), tmp_path / "half")
     with pytest.raises(UserError, match="lacks"):  # EAGLE-3.1 fc_norm tensors the source never had
         init_drafter_from_exported(with_vocab_map(tiny_drafter(fc_norm=True)), folder)
     tensors = load_file(str(folder / "model.safetensors"))
