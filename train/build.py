@@ -16,6 +16,7 @@ from draftsmith.data.manifest import read_json, target_identity
 from draftsmith.data.shards import ShardedDataset
 from draftsmith.data.target import load_target_config, load_target_head, resolve_target_path
 from draftsmith.data.vocab import load_vocab
+from draftsmith.train.checkpoint import latest_checkpoint
 from draftsmith.train.drafter import Drafter, drafter_dims, init_drafter_from_target
 from draftsmith.train.warm_start import init_drafter_from_exported
 
@@ -58,7 +59,8 @@ def build_drafter(cfg: RunConfig, hf_cfg, target_path: str, aux_ids: list[int], 
     drafter = Drafter(dims, cfg.drafter, parallel_drafting=parallel_drafting)
     head = load_target_head(target_path)
     init_drafter_from_target(drafter, head["embed"].float(), d2t, t2d)
-    if cfg.train.init_from:
+    if cfg.train.init_from and latest_checkpoint(cfg.run_dir() / "train" / "checkpoints") is None:
+        # a resumed run restores its own weights: the source may be gone by then and is not read
         init_drafter_from_exported(drafter, cfg.train.init_from)
     n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     logger.info("drafter: %d layer(s), H=%d, V_d=%d, %.1fM trainable parameters", cfg.drafter.num_layers,

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from draftsmith.data.errors import UserError
@@ -29,7 +30,11 @@ def read_exported_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise UserError(f"train.init_from: {path} not found; point it at an exported drafter folder "
                         "(the `drafter/` of a finished run)")
-    return {re.sub(r"^midlayer\.", "layers.0.", k): v for k, v in load_file(str(path)).items()}
+    try:
+        tensors = load_file(str(path))
+    except SafetensorError as e:
+        raise UserError(f"train.init_from: {path} is not a readable safetensors file ({e})") from None
+    return {re.sub(r"^midlayer\.", "layers.0.", k): v for k, v in tensors.items()}
 
 
 @torch.no_grad()

@@ -1,33 +1,23 @@
 """train.init_from: a drafter starts from an exported folder; new layers start as the identity."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftsmith.data.config import RunConfig, load_config
 from draftsmith.data.errors import UserError
 from draftsmith.export.write import write_drafter_folder
+from draftsmith.train.build import build_drafter, drafter_spec, load_checked_dataset
 from draftsmith.train.warm_start import init_drafter_from_exported
-from tests.train.test_drafter import V_D, V, causal_attention, tiny_drafter
+from tests.train.test_drafter import V_D, V, causal_attention, tiny_drafter, tiny_target_config
 
 
 def spec_of(drafter, method: str, mask_token_id=None) -> dict:
-    """The export spec of a tests/train tiny drafter (what train/build.py drafter_spec writes)."""
-    d = dataclasses.asdict(drafter.dims)
-    return {
-        "method": method, "arch": drafter.cfg.arch, "hidden_size": d["hidden_size"],
-        "intermediate_size": d["intermediate_size"], "num_attention_heads": d["num_heads"],
-        "num_key_value_heads": d["num_kv_heads"], "head_dim": d["head_dim"], "rms_norm_eps": d["rms_norm_eps"],
-        "rope_parameters": d["rope_parameters"], "max_position_embeddings": d["max_position_embeddings"],
-        "vocab_size": V, "num_hidden_layers": drafter.cfg.num_layers, "target_hidden_size": d["target_hidden_size"],
-        "draft_vocab_size": V_D, "aux_layer_ids": [1, 2, 3], "fc_norm": drafter.cfg.fc_norm,
-        "norm_output": drafter.cfg.norm_output, "norm_before_fc": drafter.cfg.norm_before_fc,
-        "norm_before_residual": drafter.cfg.norm_before_residual, "mask_token_id": mask_token_id,
-        "bos_token_id": 1, "eos_token_id": 2,
-        "verifier": {"name_or_path": "/models/target", "architectures": ["LlamaForCausalLM"]},
-    }
+    """The export spec of a tests/train tiny drafter, as the trainers write it."""
+    target = tiny_target_config(architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
+    return drafter_spec(RunConfig(drafter=drafter.cfg), drafter, target, "/models/target", [1, 2, 3], method,
+                        mask_token_id=mask_token_id)
 
 
 def with_vocab_map(drafter, shift: int = 1):
@@ -116,3 +106,19 @@ def test_refusals_name_the_problem(tmp_path):
         init_drafter_from_exported(with_vocab_map(tiny_drafter()), folder)
     with pytest.raises(UserError, match="not found"):
         init_drafter_from_exported(with_vocab_map(tiny_drafter()), tmp_path / "nowhere")
+
+
+def test_an_unreadable_source_is_refused_by_name(tmp_path):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(UserError, match="not a readable safetensors file"):
+        init_drafter_from_exported(with_vocab_map(tiny_drafter()), tmp_path / "bad")
+
+
+def test_a_resumed_run_does_not_read_init_from(tiny_run, tmp_path):
+    cfg, _ = load_config(tiny_run(tmp_path, extra={"train": {"init_from": str(tmp_path / "gone")}}))
+    _, _, aux_ids, target_path, hf_cfg = load_checked_dataset(cfg)
+    with pytest.raises(UserError, match="not found"):  # a fresh run needs its source
+        build_drafter(cfg, hf_cfg, target_path, aux_ids, parallel_drafting=False)
+    (cfg.run_dir() / "train" / "checkpoints" / "step-0000010").mkdir(parents=True)
+    build_drafter(cfg, hf_cfg, target_path, aux_ids, parallel_drafting=False)  # resumes: weights come from there
