@@ -55,7 +55,7 @@ def main() -> None:
     p.add_argument("--init-from", default="", help="exported drafter folder to start from (train.init_from)")
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides, e.g. peagle.num_depths=4")
     args = p.parse_args()
-    cfg, _ = load_config(args.config)
+    cfg, _ = load_config(args.config, args.overrides)  # the overrides may move the dataset too
     demo_dir, dataset = ROOT / "runs" / args.config, ROOT / cfg.dataset_dir()
     out = Path(args.out) if args.out else ROOT / "runs" / f"{args.config}-steps{args.steps}"
     if not (dataset / "manifest.json").is_file():
