@@ -13,7 +13,8 @@ import torch
 from draftsmith.data.cli import build_arg_parser, parse_run_args, run_entry
 from draftsmith.train.build import build_drafter, load_checked_dataset
 from draftsmith.train.eagle3 import build_method
-from draftsmith.train.loop import eval_rows
+from draftsmith.train.loop import accuracy_summary
+from draftsmith.train.packing import pack_planned_row, plan_eval_rows
 
 
 def main(argv=None) -> None:
@@ -21,10 +22,14 @@ def main(argv=None) -> None:
     train_ds, heldout_ds, aux_ids, target_path, hf_cfg = load_checked_dataset(cfg)
     drafter = build_drafter(cfg, hf_cfg, target_path, aux_ids, parallel_drafting=False)
     method = build_method(cfg, drafter, hf_cfg, target_path, aux_ids, torch.device("cpu"))
-    rows = eval_rows(heldout_ds, cfg.train.eval_max_samples, cfg.train.batch_tokens)
+    plans = plan_eval_rows(heldout_ds, cfg.train.eval_max_samples, cfg.train.batch_tokens)
     drafter.eval()
+    correct = count = 0
     with torch.no_grad():
-        result = method.eval_fn(drafter, rows)
+        for plan in plans:
+            _, m = method.row_loss(drafter, pack_planned_row(heldout_ds, plan, cfg.train.batch_tokens))
+            correct, count = correct + m["correct"], count + m["count"]
+    result = accuracy_summary(correct, count)
     print(f"fresh drafter ({cfg.name}, seed {cfg.train.seed}), held-out evaluation at step 0:")
     print(json.dumps(result))
 

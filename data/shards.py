@@ -81,7 +81,13 @@ def verify_shard(path: Path, entry: dict) -> None:
 
 
 class ShardedDataset:
-    """Samples of one split, read lazily from verified shards; item i -> dict of per-sample tensors."""
+    """Samples of one split, read lazily from verified shards; item i -> dict of per-sample tensors.
+
+    Sample lengths come from each shard's small `offsets` tensor alone, so a trainer can plan rows without
+    reading hidden states. A shard's checksum is verified before its first sample is read, unless
+    `verify_share` already verified it (several processes split that work). `bytes_read` counts what this
+    object read: hashed bytes and the bytes of every tensor slice returned.
+    """
 
     def __init__(self, dataset_dir: Path, split: str = "train"):
         self.dir = Path(dataset_dir)
@@ -90,26 +96,58 @@ class ShardedDataset:
             raise UserError(f"{self.dir / 'manifest.json'}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
         self.shards = [s for s in self.manifest["shards"] if s["split"] == split]
         self.index = [(si, j) for si, s in enumerate(self.shards) for j in range(s["num_samples"])]
-        self._open: dict[int, tuple] = {}
+        self._open: dict[int, object] = {}
+        self._offsets: dict[int, torch.Tensor] = {}
+        self._verified: set[int] = set()
+        self.bytes_read = 0
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def _shard(self, si: int):
-        if si not in self._open:
+    def _verify(self, si: int) -> None:
+        if si not in self._verified:
             path = self.dir / self.shards[si]["file"]
             verify_shard(path, self.shards[si])
-            f = safe_open(str(path), "pt")
-            self._open[si] = (f, f.get_tensor("offsets"))
+            self.bytes_read += path.stat().st_size
+            self._verified.add(si)
+
+    def verify_share(self, rank: int, world_size: int) -> None:
+        """Verify shards rank, rank + world_size, ...; the caller makes sure every rank's share passed."""
+        for si in range(rank, len(self.shards), world_size):
+            self._verify(si)
+
+    def mark_verified(self) -> None:
+        """Every shard was verified (by this or other processes): reads skip the checksum."""
+        self._verified = set(range(len(self.shards)))
+
+    def _shard(self, si: int):
+        self._verify(si)
+        if si not in self._open:
+            self._open[si] = safe_open(str(self.dir / self.shards[si]["file"]), "pt")
         return self._open[si]
+
+    def _shard_offsets(self, si: int) -> torch.Tensor:
+        if si not in self._offsets:
+            path = self.dir / self.shards[si]["file"]
+            try:
+                with safe_open(str(path), "pt") as f:
+                    self._offsets[si] = f.get_tensor("offsets")
+            except Exception:
+                verify_shard(path, self.shards[si])  # names a missing or corrupt file
+                raise
+            self.bytes_read += self._offsets[si].numel() * 8
+        return self._offsets[si]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         si, j = self.index[i]
-        f, offsets = self._shard(si)
+        f = self._shard(si)
+        offsets = self._shard_offsets(si)
         a, b = int(offsets[j]), int(offsets[j + 1])
-        return {k: f.get_slice(k)[a:b] for k in SHARD_KEYS if k != "offsets"}
+        sample = {k: f.get_slice(k)[a:b] for k in SHARD_KEYS if k != "offsets"}
+        self.bytes_read += sum(t.numel() * t.element_size() for t in sample.values())
+        return sample
 
     def sample_length(self, i: int) -> int:
         si, j = self.index[i]
-        _, offsets = self._shard(si)
+        offsets = self._shard_offsets(si)
         return int(offsets[j + 1] - offsets[j])

@@ -36,13 +36,15 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
 
 
 def save_checkpoint(accelerator, ckpt_root: Path, step: int, loop_state: dict, keep_last: int = 2) -> Path:
-    """All processes call this; the main process renames the finished folder and prunes old ones."""
+    """All processes call this (a collective under FSDP2 and ZeRO); the main process renames the finished
+    folder and prunes old ones."""
     final = ckpt_root / f"step-{step:07d}"
     tmp = ckpt_root / f".tmp-step-{step:07d}"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # FSDP2/ZeRO: every process writes its shard into tmp before the rename
     if accelerator.is_main_process:
         atomic_write_json(tmp / "loop_state.json", loop_state)
         shutil.rmtree(final, ignore_errors=True)

@@ -11,22 +11,24 @@ import torch
 from draftsmith.data.cli import build_arg_parser, log_run_header, parse_run_args, run_entry
 from draftsmith.data.config import RunConfig
 from draftsmith.train.build import build_drafter, drafter_spec, load_checked_dataset, load_teacher_head
-from draftsmith.train.loop import Method, build_accelerator, evaluate_rows, run_training
+from draftsmith.train.distributed import build_accelerator
+from draftsmith.train.loop import Method, run_training
 from draftsmith.train.loss import teacher_from_final_hidden, ttt_loss
+from draftsmith.train.packing import row_noise
 from draftsmith.train.ttt import pick_attention_impl, shift_for_ttt, ttt_forward, ttt_step_masks
 
 logger = logging.getLogger("draftsmith.train.eagle3")
 
 
 def ttt_row_loss(model, row: dict, teacher_weight, t2d, cfg: RunConfig, attention: str):
-    """Loss and per-step metrics of one packed row (DESIGN section 3)."""
+    """Loss and per-step metrics of one packed row (DESIGN section 3); the noise is drawn from the row's seed."""
     ids, final, mask = shift_for_ttt(row["input_ids"], row["final_hidden_states"], row["loss_mask"],
                                      row["document_ids"])
     teacher_logits, in_vocab = teacher_from_final_hidden(final.float(), teacher_weight, t2d)
     step_masks = ttt_step_masks(mask & in_vocab, row["document_ids"], cfg.ttt.num_steps)
     aux = row["aux_hidden_states"].float()  # [1, T, n_aux * H_t]
     if model.training and cfg.train.hidden_noise_std > 0:
-        aux = aux + cfg.train.hidden_noise_std * torch.randn_like(aux)
+        aux = aux + cfg.train.hidden_noise_std * row_noise(aux, row["row_seed"])
     logits = ttt_forward(model, aux, ids, row["position_ids"], row["document_ids"], cfg.ttt.num_steps, attention)
     return ttt_loss(logits, teacher_logits, step_masks, cfg.ttt.step_weight)
 
@@ -36,10 +38,10 @@ def build_method(cfg: RunConfig, model, hf_cfg, target_path, aux_ids, device) ->
     t2d = model.t2d.to(device)
     attention = pick_attention_impl(cfg.train.attention, device)
 
-    def loss_fn(m, row):
-        return ttt_row_loss(m, row, teacher_weight, t2d, cfg, attention)
+    def row_loss(drafter, row):
+        return ttt_row_loss(drafter, row, teacher_weight, t2d, cfg, attention)
 
-    return Method(name="eagle3", step_fn=loss_fn, eval_fn=lambda m, rows: evaluate_rows(m, rows, loss_fn),
+    return Method(name="eagle3", row_loss=row_loss,
                   drafter_spec=drafter_spec(cfg, model, hf_cfg, target_path, aux_ids, "eagle3"))
 
 

@@ -1,14 +1,14 @@
 """The training loop shared by the EAGLE-3 and P-EAGLE entry scripts: build, resume, train, evaluate, save.
 
-A method supplies two functions of tensors (`step_fn` for a training row, `eval_fn` for held-out rows);
-everything else (optimizer, schedule, accumulation, checkpoints, logging, best-checkpoint choice) lives here.
+A method supplies one function of tensors (`row_loss`: a packed row's loss and metrics); everything else
+(optimizer, schedule, accumulation, data sharding, metric reduction, checkpoints, logging, best-checkpoint
+choice) lives here, the same on 1..N processes and under every backend (train/distributed.py).
 """
 from __future__ import annotations
 
 import logging
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -22,20 +22,21 @@ from draftsmith.train.checkpoint import (
     save_checkpoint,
     save_drafter_bundle,
 )
+from draftsmith.train.distributed import after_prepare, full_state_dict, sum_over_processes
 from draftsmith.train.loss import simulated_acceptance_length
 from draftsmith.train.metrics_log import MetricsLog
-from draftsmith.train.packing import DataPosition, eval_rows, next_row
+from draftsmith.train.objective import DrafterObjective, RowLoss
+from draftsmith.train.packing import DataPosition, pack_planned_row, plan_eval_rows, plan_next_row
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Method:
-    """What differs between EAGLE-3 and P-EAGLE: the per-row loss and the held-out evaluation."""
+    """What differs between EAGLE-3 and P-EAGLE: the per-row loss (training or held-out by drafter.training)."""
 
     name: str
-    step_fn: Callable  # (model, row) -> (loss, metrics dict of tensors)
-    eval_fn: Callable  # (model, rows) -> {"per_step_accuracy": [...], "simulated_acceptance_length": {k: v}}
+    row_loss: RowLoss
     drafter_spec: dict  # what export needs besides the weights
 
 
@@ -53,18 +54,57 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
 
 
 def row_to_device(row: dict, device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in row.items()}
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in row.items()}
+
+
+def accuracy_summary(correct: torch.Tensor, count: torch.Tensor) -> dict:
+    """Per-step top-1 accuracy vs the target's argmax and simulated AL for K = 1..J, from summed hit counts."""
+    acc = (correct / count.clamp(min=1)).tolist()
+    al = {str(k): round(float(simulated_acceptance_length(acc[:k])), 4) for k in range(1, len(acc) + 1)}
+    return {"per_step_accuracy": [round(a, 4) for a in acc], "simulated_acceptance_length": al,
+            "num_scored": [int(c) for c in count.tolist()]}
+
+
+def verify_datasets(acc, datasets) -> None:
+    """Each process hashes its share of the shards; all raise if any share failed (no rank left waiting)."""
+    error = None
+    for ds in datasets:
+        try:
+            ds.verify_share(acc.process_index, acc.num_processes)
+        except (UserError, FileNotFoundError) as e:
+            error = error or e
+    failed = int(sum_over_processes(acc, torch.tensor([float(error is not None)], dtype=torch.float64))[0])
+    if error is not None:
+        raise error
+    if failed:
+        raise UserError(f"{failed} process(es) found missing or corrupt shards in {datasets[0].dir}; "
+                        "their error lines name the files")
+    for ds in datasets:
+        ds.mark_verified()
 
 
 class Trainer:
-    """Holds the objects of one run; `train()` reads like a table of contents."""
+    """Holds the objects of one run; `train()` reads like a table of contents.
 
-    def __init__(self, cfg: RunConfig, accelerator, model, method: Method, train_ds, eval_rows: list[dict]):
+    Process r of W trains rows r, r + W, ... of the global row order, so W processes x grad_accum A train the
+    same global batch as 1 process x grad_accum W*A; logged metrics are sums over all processes.
+    """
+
+    def __init__(self, cfg: RunConfig, accelerator, drafter, method: Method, train_ds, heldout_ds):
         self.cfg, self.acc, self.method = cfg, accelerator, method
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.out = cfg.run_dir() / "train"
-        self.opt, self.sched = build_optimizer(model, cfg.train)
-        self.model, self.opt, self.sched = accelerator.prepare(model, self.opt, self.sched)
-        self.train_ds, self.eval_rows = train_ds, eval_rows
+        model = DrafterObjective(drafter, method.row_loss)
+        opt, sched = build_optimizer(model, cfg.train)
+        self.model, self.opt, self.sched = accelerator.prepare(model, opt, sched)
+        after_prepare(accelerator, self.model)
+        verify_datasets(accelerator, [train_ds, heldout_ds])
+        self.train_ds, self.heldout_ds = train_ds, heldout_ds
+        self.eval_plans = plan_eval_rows(heldout_ds, cfg.train.eval_max_samples, cfg.train.batch_tokens)
+        if not self.eval_plans:
+            raise UserError(f"{heldout_ds.dir}: the held-out split is empty; set data.prompts.heldout_fraction > 0 "
+                            "and rebuild the dataset")
+        self.eval_rows: dict[int, dict] = {}  # this process's packed held-out rows, read once
         self.pos, self.step, self.best = DataPosition(), 0, -1.0
         self.best_k = cfg.export.num_speculative_tokens[0]
         self.log = MetricsLog(self.out, cfg, enabled=accelerator.is_main_process)
@@ -80,60 +120,100 @@ class Trainer:
                              f"Use another output_dir or delete {self.out}")
         self.step, self.best = state["step"], state["best"]
         self.pos.load_state_dict(state["data_position"])
+        if state.get("world_size", self.world) != self.world:
+            logger.warning("%s was written by %d process(es), resuming on %d: the global data order continues; "
+                           "the global batch is now %d rows a step", ckpt, state["world_size"], self.world,
+                           self.world * self.cfg.train.grad_accum)
         logger.info("resumed from %s at step %d (epoch %d)", ckpt, self.step, self.pos.epoch)
 
     def next_local_row(self) -> dict:
-        """Every process walks the same row sequence and keeps every world_size-th row."""
-        rows = [next_row(self.train_ds, self.pos, self.cfg.train.seed, self.cfg.train.batch_tokens)
-                for _ in range(self.acc.num_processes)]
-        return row_to_device(rows[self.acc.process_index], self.acc.device)
+        """Every process plans the same W rows (lengths only) and reads and packs just its own."""
+        plans = [plan_next_row(self.train_ds, self.pos, self.cfg.train.seed, self.cfg.train.batch_tokens)
+                 for _ in range(self.world)]
+        return row_to_device(pack_planned_row(self.train_ds, plans[self.rank], self.cfg.train.batch_tokens),
+                             self.acc.device)
 
-    def train_step(self) -> tuple[torch.Tensor, dict, int]:
-        """grad_accum micro-batches, clip, optimizer step; returns tensors (no host sync) and the token count."""
-        tokens, totals = 0, {}
+    def train_step(self) -> tuple[float, dict, int]:
+        """grad_accum micro-batches, then one optimizer and scheduler step; returns the global grad norm, the
+        metrics summed over processes and the tokens trained by all processes."""
+        local = {"nonfinite": 0.0, "loss": 0.0, "tokens": 0.0, "correct": 0, "count": 0}
         for _ in range(self.cfg.train.grad_accum):
             row = self.next_local_row()
-            with self.acc.autocast():
-                loss, metrics = self.method.step_fn(self.model, row)
-            if not torch.isfinite(loss):
-                last = latest_checkpoint(self.out / "checkpoints")
-                raise FloatingPointError(f"non-finite loss {loss.item()} at step {self.step + 1}; "
-                                         f"last good checkpoint: {last or 'none'}")
-            self.acc.backward(loss / self.cfg.train.grad_accum)
-            tokens += int(row["input_ids"].numel())
-            for k, v in {"loss": loss.detach() / self.cfg.train.grad_accum, "correct": metrics["correct"],
-                         "count": metrics["count"]}.items():
-                totals[k] = totals[k] + v if k in totals else v
-        grad_norm = (self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
-                     if self.cfg.train.grad_clip > 0 else torch.tensor(0.0))
+            with self.acc.accumulate(self.model):  # no all-reduce before the last micro-step
+                with self.acc.autocast():
+                    loss, metrics = self.model(row)
+                self.acc.backward(loss)  # accelerate divides by grad_accum (DeepSpeed: its engine does)
+            loss = loss.detach().double()
+            local["nonfinite"] += float(not torch.isfinite(loss))
+            local["loss"] += loss
+            local["tokens"] += row["input_ids"].numel()
+            local["correct"] += metrics["correct"]
+            local["count"] += metrics["count"]
+        totals = self.reduce_step_metrics(local)
+        if totals["nonfinite"]:
+            last = latest_checkpoint(self.out / "checkpoints")
+            raise FloatingPointError(f"non-finite loss on {int(totals['nonfinite'])} micro-batch(es) at step "
+                                     f"{self.step + 1}; last good checkpoint: {last or 'none'}")
+        grad_norm = 0.0
+        if self.cfg.train.grad_clip > 0:
+            norm = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+            grad_norm = float(norm) if norm is not None else float("nan")
         self.opt.step()
-        self.sched.step()
+        self.sched.step()  # once per global step, whatever the world size
         self.opt.zero_grad(set_to_none=True)
-        return grad_norm, totals, tokens
+        return grad_norm, totals, int(totals["tokens"])
+
+    def reduce_step_metrics(self, local: dict) -> dict:
+        """Sum the step's metrics over processes (one small all-reduce); loss becomes the mean per row."""
+        head = torch.tensor([local["nonfinite"], float(local["loss"]), local["tokens"]], dtype=torch.float64)
+        correct, count = local["correct"].double().cpu(), local["count"].double().cpu()
+        summed = sum_over_processes(self.acc, torch.cat([head, correct, count]))
+        J = correct.numel()
+        rows = self.cfg.train.grad_accum * self.world
+        return {"nonfinite": summed[0].item(), "loss": summed[1] / rows, "tokens": summed[2].item(),
+                "correct": summed[3: 3 + J], "count": summed[3 + J:]}
+
+    def local_eval_row(self, index: int) -> dict:
+        if index not in self.eval_rows:
+            row = pack_planned_row(self.heldout_ds, self.eval_plans[index], self.cfg.train.batch_tokens)
+            self.eval_rows[index] = row_to_device(row, self.acc.device)
+        return self.eval_rows[index]
 
     def evaluate(self) -> dict:
+        """Held-out rows split over processes; hit counts summed. Every process runs the same number of
+        forwards (FSDP2 gathers parameters in each): a process short of rows repeats row 0 unscored."""
+        correct = count = 0
         self.model.eval()
         with torch.no_grad(), self.acc.autocast():
-            result = self.method.eval_fn(self.model, [row_to_device(r, self.acc.device) for r in self.eval_rows])
+            for i in range(math.ceil(len(self.eval_plans) / self.world)):
+                index = i * self.world + self.rank
+                scored = float(index < len(self.eval_plans))
+                _, m = self.model(self.local_eval_row(index if scored else 0))
+                correct = correct + scored * m["correct"].double().cpu()
+                count = count + scored * m["count"].double().cpu()
         self.model.train()
-        return result
+        J = correct.numel()
+        summed = sum_over_processes(self.acc, torch.cat([correct, count]))
+        return accuracy_summary(summed[:J], summed[J:])
 
     def save(self, eval_result: dict | None) -> None:
+        """Checkpoint on every process; a new best held-out score also writes `best/` (full weights)."""
         if eval_result is not None:
             al = eval_result["simulated_acceptance_length"]
             # the served K may exceed the steps trained; rank by the deepest K both cover
             score = al[str(min(self.best_k, max(int(k) for k in al)))]
-            if score > self.best and self.acc.is_main_process:
+            if score > self.best:  # the same on every process: the evaluation was reduced
+                state = full_state_dict(self.acc, self.model)  # a collective under FSDP2
+                if self.acc.is_main_process:
+                    save_drafter_bundle(self.out / "best", state, self.method.drafter_spec,
+                                        {"step": self.step, "eval": eval_result})
+                    atomic_write_json(self.out / "eval_heldout.json", {**eval_result, "step": self.step})
                 self.best = score
-                state = self.acc.unwrap_model(self.model).state_dict()
-                save_drafter_bundle(self.out / "best", state, self.method.drafter_spec,
-                                    {"step": self.step, "eval": eval_result})
-                atomic_write_json(self.out / "eval_heldout.json", {**eval_result, "step": self.step})
-            self.best = max(self.best, score)
         save_checkpoint(self.acc, self.out / "checkpoints", self.step, {
             "step": self.step, "best": self.best, "data_position": self.pos.state_dict(),
-            "config_sha256": config_sha256(self.cfg), "resumable_config": resumable_config(self.cfg),
-            "config": config_to_dict(self.cfg)})
+            "world_size": self.world, "config_sha256": config_sha256(self.cfg),
+            "resumable_config": resumable_config(self.cfg), "config": config_to_dict(self.cfg)})
 
     def train(self) -> None:
         cfg = self.cfg.train
@@ -177,34 +257,11 @@ def diff_fields(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 
 
-def evaluate_rows(model, rows, loss_fn) -> dict:
-    """Per-step top-1 accuracy vs the target's argmax over held-out rows, and simulated AL for K = 1..J."""
-    correct = count = 0
-    for row in rows:
-        _, m = loss_fn(model, row)
-        correct, count = correct + m["correct"], count + m["count"]
-    acc = (correct / count.clamp(min=1)).tolist()
-    al = {str(k): round(float(simulated_acceptance_length(acc[:k])), 4) for k in range(1, len(acc) + 1)}
-    return {"per_step_accuracy": [round(a, 4) for a in acc], "simulated_acceptance_length": al,
-            "num_scored": count.tolist()}
-
-
-def build_accelerator(cfg: RunConfig):
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
-    mixed = "bf16" if torch.cuda.is_available() else "no"  # fp32 master weights either way
-    acc = Accelerator(mixed_precision=mixed)
-    set_seed(cfg.train.seed)
-    return acc
-
-
-def run_training(cfg: RunConfig, accelerator, model, method: Method, train_ds, heldout_ds) -> None:
+def run_training(cfg: RunConfig, accelerator, drafter, method: Method, train_ds, heldout_ds) -> None:
     """Resume (when the run folder holds a checkpoint), train to the end, and close the accelerator."""
     if accelerator.is_main_process:
         save_resolved_config(cfg, cfg.run_dir() / "train" / "config.yaml")
-    rows = eval_rows(heldout_ds, cfg.train.eval_max_samples, cfg.train.batch_tokens)
-    trainer = Trainer(cfg, accelerator, model, method, train_ds, rows)
+    trainer = Trainer(cfg, accelerator, drafter, method, train_ds, heldout_ds)
     try:
         trainer.resume_if_possible()
         trainer.train()

@@ -1,5 +1,8 @@
 """Pack dataset samples into fixed-size token rows (documents kept apart by document_ids), in a
-seeded order per epoch, so that a (epoch, cursor) pair is the whole data position for an exact resume."""
+seeded order per epoch, so that a (epoch, cursor) pair is the whole data position for an exact resume.
+
+Rows are planned from sample lengths alone and packed (read) only by the process that trains them.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,39 +55,65 @@ def pack_row(samples: list[dict], row_tokens: int) -> dict[str, torch.Tensor]:
     return {k: v.unsqueeze(0) for k, v in row.items()}
 
 
-def next_row(ds: ShardedDataset, pos: DataPosition, seed: int, row_tokens: int) -> dict[str, torch.Tensor]:
-    """Pack the next row from `pos` (advancing it); an epoch boundary starts a new seeded order.
+@dataclass(frozen=True)
+class RowPlan:
+    """Which samples make one packed row, and the seed of its random draws (COD sampling, hidden noise).
+
+    Plans need sample lengths only, so every process plans every row of a step and reads just its own; the
+    seed depends on the row's place in the data order, never on which process trains it.
+    """
+
+    samples: list[int]
+    seed: int
+
+
+def row_seed(seed: int, epoch: int, cursor: int) -> int:
+    return ((seed * 1_000_003 + epoch) * 1_000_000_007 + cursor) % 2**63
+
+
+def plan_next_row(ds: ShardedDataset, pos: DataPosition, seed: int, row_tokens: int) -> RowPlan:
+    """Plan the next row from `pos` (advancing it); an epoch boundary starts a new seeded order.
 
     A sample longer than the row is truncated to it (it then fills a row alone).
     """
     order = epoch_order(len(ds), seed, pos.epoch)
+    if pos.cursor >= len(order):
+        pos.epoch, pos.cursor = pos.epoch + 1, 0
+        order = epoch_order(len(ds), seed, pos.epoch)
+    plan_seed = row_seed(seed, pos.epoch, pos.cursor)
     picked, used = [], 0
-    while True:
-        if pos.cursor >= len(order):
-            if picked:
-                break
-            pos.epoch, pos.cursor = pos.epoch + 1, 0
-            order = epoch_order(len(ds), seed, pos.epoch)
+    while pos.cursor < len(order):
         length = ds.sample_length(order[pos.cursor])
         if picked and used + length > row_tokens:
             break
-        picked.append(ds[order[pos.cursor]])
+        picked.append(order[pos.cursor])
         used += length
         pos.cursor += 1
-    return pack_row(picked, row_tokens)
+    return RowPlan(picked, plan_seed)
 
 
-def eval_rows(ds: ShardedDataset, max_samples: int, row_tokens: int) -> list[dict[str, torch.Tensor]]:
+def row_noise(like: torch.Tensor, seed: int, stream: int = 0) -> torch.Tensor:
+    """Standard normal noise shaped like `like`, drawn on the CPU from the row's seed (device-independent)."""
+    g = torch.Generator().manual_seed((seed + stream) % 2**63)
+    return torch.randn(like.shape, generator=g, dtype=torch.float32).to(like.device, like.dtype)
+
+
+def pack_planned_row(ds: ShardedDataset, plan: RowPlan, row_tokens: int) -> dict:
+    """Read the plan's samples and pack them; "row_seed" (a Python int) rides along with the tensors."""
+    return {**pack_row([ds[i] for i in plan.samples], row_tokens), "row_seed": plan.seed}
+
+
+def plan_eval_rows(ds: ShardedDataset, max_samples: int, row_tokens: int) -> list[RowPlan]:
     """The first max_samples held-out samples (0 = all), packed in order: the same rows at every evaluation."""
     n = len(ds) if max_samples <= 0 else min(max_samples, len(ds))
-    rows, cur, used = [], [], 0
+    plans, cur, used = [], [], 0
     for i in range(n):
         length = min(ds.sample_length(i), row_tokens)
         if cur and used + length > row_tokens:
-            rows.append(pack_row(cur, row_tokens))
+            plans.append(RowPlan(cur, len(plans)))
             cur, used = [], 0
-        cur.append(ds[i])
+        cur.append(i)
         used += length
     if cur:
-        rows.append(pack_row(cur, row_tokens))
-    return rows
+        plans.append(RowPlan(cur, len(plans)))
+    return plans

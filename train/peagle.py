@@ -14,7 +14,9 @@ from draftsmith.data.cli import build_arg_parser, log_run_header, parse_run_args
 from draftsmith.data.config import RunConfig
 from draftsmith.data.errors import UserError
 from draftsmith.train.build import build_drafter, drafter_spec, load_checked_dataset, load_teacher_head
-from draftsmith.train.loop import Method, build_accelerator, evaluate_rows, run_training
+from draftsmith.train.distributed import build_accelerator
+from draftsmith.train.loop import Method, run_training
+from draftsmith.train.packing import row_noise
 from draftsmith.train.parallel import (
     ParallelSetup,
     all_chain_elements,
@@ -72,19 +74,20 @@ def choose_mask_token_id(target_path: str, datasets, vocab_size: int) -> int:
     return token_id
 
 
-def peagle_row_loss(model, row: dict, teacher_weight, t2d, cfg: RunConfig, setup: ParallelSetup,
-                    all_chains: bool = False):
-    """Loss and per-depth metrics of one packed row: COD-sampled elements, or every chain (evaluation)."""
+def peagle_row_loss(model, row: dict, teacher_weight, t2d, cfg: RunConfig, setup: ParallelSetup):
+    """Loss and per-depth metrics of one packed row: COD-sampled elements in training, every chain in
+    evaluation. COD and noise draw from the row's seed, so any process (and a resumed run) draws the same."""
     shifted = shift_parallel_row(row, teacher_weight, t2d)
     if model.training and cfg.train.hidden_noise_std > 0:
-        noise = cfg.train.hidden_noise_std * torch.randn_like(shifted.aux_hidden)
+        noise = cfg.train.hidden_noise_std * row_noise(shifted.aux_hidden, row["row_seed"], stream=1)
         shifted.aux_hidden = shifted.aux_hidden + noise
     mask, docs, p = shifted.loss_mask.cpu(), shifted.document_ids.cpu(), cfg.peagle
-    if all_chains:
+    if not model.training:
         anchor, depth = all_chain_elements(mask, docs, p.num_depths)
-    else:  # the global CPU RNG: accelerate's checkpoints restore it, so a resume draws the same elements
+    else:
+        generator = torch.Generator().manual_seed(row["row_seed"])
         anchor, depth = cod_sample(mask, docs, p.num_depths, p.down_sample_ratio, p.down_sample_ratio_min,
-                                   p.max_anchors)
+                                   p.max_anchors, generator)
     return parallel_loss(model, shifted, anchor, depth, setup)
 
 
@@ -95,15 +98,11 @@ def build_method(cfg: RunConfig, model, hf_cfg, target_path, aux_ids, device, ma
                           partition_elements=cfg.peagle.partition_elements,
                           attention_impl=pick_attention_impl(cfg.train.attention, device))
 
-    def train_loss(m, row):
-        return peagle_row_loss(m, row, teacher_weight, t2d, cfg, setup)
-
-    def eval_loss(m, row):
-        return peagle_row_loss(m, row, teacher_weight, t2d, cfg, setup, all_chains=True)
+    def row_loss(drafter, row):
+        return peagle_row_loss(drafter, row, teacher_weight, t2d, cfg, setup)
 
     spec = drafter_spec(cfg, model, hf_cfg, target_path, aux_ids, "peagle", mask_token_id=mask_token_id)
-    return Method(name="peagle", step_fn=train_loss, drafter_spec=spec,
-                  eval_fn=lambda m, rows: evaluate_rows(m, rows, eval_loss))
+    return Method(name="peagle", row_loss=row_loss, drafter_spec=spec)
 
 
 def check_peagle_config(cfg: RunConfig) -> None:
