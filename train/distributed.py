@@ -35,7 +35,9 @@ def build_accelerator(cfg: RunConfig):
 
     on_cuda = torch.cuda.is_available()
     deepspeed = env_flag("ACCELERATE_USE_DEEPSPEED")
-    launched = int(os.environ.get("LOCAL_RANK", -1)) != -1
+    launched = int(os.environ.get("LOCAL_RANK", "-1")) != -1
+    if deepspeed:
+        os.environ["ACCELERATE_USE_CPU"] = "false"  # a CPU flag in the environment would switch DeepSpeed off
     handlers = []
     if launched and not on_cuda:
         # without a GPU accelerate picks no backend for DeepSpeed and would run every rank as rank 0

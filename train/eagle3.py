@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from draftsmith.data.cli import build_arg_parser, log_run_header, parse_run_args, run_entry
 from draftsmith.data.config import RunConfig
 from draftsmith.train.build import build_drafter, drafter_spec, load_checked_dataset, load_teacher_head

@@ -114,12 +114,15 @@ class Trainer:
         if ckpt is None:
             return
         state = load_checkpoint(self.acc, ckpt)
-        if state["config_sha256"] != config_sha256(self.cfg) and state["resumable_config"] != resumable_config(self.cfg):
+        stored = state["resumable_config"]
+        stored["train"].pop("grad_accum", None)  # checkpoints written before grad_accum became resumable
+        if state["config_sha256"] != config_sha256(self.cfg) and stored != resumable_config(self.cfg):
             raise UserError(f"{ckpt} was made with a different config; differing fields: "
-                             f"{diff_fields(state['resumable_config'], resumable_config(self.cfg))}. "
+                             f"{diff_fields(stored, resumable_config(self.cfg))}. "
                              f"Use another output_dir or delete {self.out}")
         self.step, self.best = state["step"], state["best"]
         self.pos.load_state_dict(state["data_position"])
+        self.acc.step = 0  # accelerate's micro-step counter: a step boundary, whatever grad_accum was before
         if state.get("world_size", self.world) != self.world:
             logger.warning("%s was written by %d process(es), resuming on %d: the global data order continues; "
                            "the global batch is now %d rows a step", ckpt, state["world_size"], self.world,
@@ -166,13 +169,15 @@ class Trainer:
 
     def reduce_step_metrics(self, local: dict) -> dict:
         """Sum the step's metrics over processes (one small all-reduce); loss becomes the mean per row."""
-        head = torch.tensor([local["nonfinite"], float(local["loss"]), local["tokens"]], dtype=torch.float64)
+        data_bytes = self.train_ds.bytes_read + self.heldout_ds.bytes_read  # this process, since the start
+        head = torch.tensor([local["nonfinite"], float(local["loss"]), local["tokens"], data_bytes],
+                            dtype=torch.float64)
         correct, count = local["correct"].double().cpu(), local["count"].double().cpu()
         summed = sum_over_processes(self.acc, torch.cat([head, correct, count]))
         J = correct.numel()
         rows = self.cfg.train.grad_accum * self.world
         return {"nonfinite": summed[0].item(), "loss": summed[1] / rows, "tokens": summed[2].item(),
-                "correct": summed[3: 3 + J], "count": summed[3 + J:]}
+                "data_bytes_read": summed[3].item(), "correct": summed[4: 4 + J], "count": summed[4 + J:]}
 
     def local_eval_row(self, index: int) -> dict:
         if index not in self.eval_rows:
@@ -237,9 +242,10 @@ class Trainer:
 
 
 def resumable_config(cfg: RunConfig) -> dict:
-    """The fields a resume may not change (everything but logging/eval/export cadence and the step budget)."""
+    """The fields a resume may not change (everything but logging/eval/export cadence, the step budget and
+    grad_accum, which a resume on another world size changes to keep the global batch)."""
     d = config_to_dict(cfg)
-    for k in ("log_every", "eval_every", "save_every", "max_steps", "eval_max_samples"):
+    for k in ("log_every", "eval_every", "save_every", "max_steps", "eval_max_samples", "grad_accum"):
         d["train"].pop(k)
     d.pop("export")
     d.pop("name")

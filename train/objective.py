@@ -7,7 +7,7 @@ the backend; the frozen teacher head is held by the loss function, outside the m
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 

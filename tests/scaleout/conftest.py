@@ -1,0 +1,21 @@
+"""Fixtures of the multi-process tests: run configs on the shared tiny dataset."""
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def scaleout_config(tiny_run, tmp_path_factory):
+    """write(name, **sections) -> (config path, run dir): the tiny run, 5 logged steps, evaluated at the end."""
+    root = tmp_path_factory.mktemp("scaleout")
+
+    def write(name: str, **sections) -> tuple[str, Path]:
+        base = {"train": {"max_steps": 5, "log_every": 1, "eval_every": 5, "save_every": 5, "batch_tokens": 128},
+                "peagle": {"num_depths": 3, "partition_elements": 64}, "export": {"num_speculative_tokens": [2]}}
+        for section, values in sections.items():
+            base.setdefault(section, {}).update(values)
+        folder = root / name
+        folder.mkdir()
+        return tiny_run(folder, base), folder / "run"
+
+    return write
