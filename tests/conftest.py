@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random Llama target saved as an HF folder and a captured dataset built from it."""
+"""Shared fixtures: a tiny random Llama target saved as an HF folder and a captured dataset built from it;
+the smollm2-quick dataset of the real embedded target, built once per test run."""
 import json
 import random
 
@@ -10,6 +11,7 @@ from draftsmith.data.capture import capture_to_shards
 from draftsmith.data.manifest import atomic_write_json, target_identity
 from draftsmith.data.shards import FORMAT
 from draftsmith.data.vocab import build_draft_vocab, count_loss_masked_tokens, save_vocab
+from stages import run_stage
 
 TINY_VOCAB = 96
 
@@ -83,3 +85,12 @@ def tiny_run(tiny_target_dir, tmp_path_factory):
         return str(path)
 
     return write_config
+
+
+@pytest.fixture(scope="session")
+def quick_dataset(tmp_path_factory):
+    """data/build.py --config smollm2-quick (vLLM regeneration + capture on SmolLM2), once for every test that
+    trains on it (the e2e chain, the Slurm chain): runs point at it with data.dataset_dir."""
+    work = tmp_path_factory.mktemp("quick-data")
+    run_stage("data/build.py", f"output_dir={work / 'run'}", cwd=work)
+    return work / "run" / "dataset"

@@ -81,7 +81,7 @@ class MetricsLog:
         record = {"step": step, "loss": loss, "acc": [round(a, 4) for a in acc],
                   "sim_al": float(simulated_acceptance_length(acc)), "lr": lr, "grad_norm": float(grad_norm),
                   "tokens_per_s": tok_s, "peak_mem_gib": peak_memory_gib(), "eta_s": eta,
-                  "data_bytes_read": totals["data_bytes_read"]}
+                  "tokens": self.tokens, "data_bytes_read": totals["data_bytes_read"]}
         self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}")
         logger.info("step %d | loss %.4f | acc %s | sim_al %.3f | lr %.2e | grad %.3f | %.0f tok/s | %.2f GiB | eta %.0fs",
                     step, loss, " ".join(f"{a:.3f}" for a in acc), record["sim_al"], lr, record["grad_norm"],

@@ -1,42 +1,30 @@
 """The demo chain in miniature on the real embedded SmolLM2 target: data -> train -> export -> serve-validate
 in vLLM (both export formats) -> push dry run. Every stage runs for real, as `make demo` runs it."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from stages import run_stage
 
 from draftsmith.data.manifest import read_json
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def run_stage(script: str, *args: str, cwd: Path) -> str:
-    proc = subprocess.run([sys.executable, str(REPO / script), "--config", "smollm2-quick", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc.stdout
-
-
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
+def quick_run(tmp_path_factory, quick_dataset):
     work = tmp_path_factory.mktemp("quick")
-    out = f"output_dir={work / 'run'}"
-    run_stage("data/build.py", out, cwd=work)
-    run_stage("data/check.py", out, "--samples", "4", cwd=work)
-    run_stage("train/eagle3.py", out, cwd=work)
-    run_stage("export/speculators.py", out, cwd=work)
-    run_stage("export/speculators.py", out, "--format", "legacy", "--out", str(work / "run" / "drafter-legacy"),
+    out = (f"output_dir={work / 'run'}", f"data.dataset_dir={quick_dataset}")
+    run_stage("data/build.py", *out, cwd=work)  # the shared dataset is complete: the build finds it and returns
+    run_stage("data/check.py", *out, "--samples", "4", cwd=work)
+    run_stage("train/eagle3.py", *out, cwd=work)
+    run_stage("export/speculators.py", *out, cwd=work)
+    run_stage("export/speculators.py", *out, "--format", "legacy", "--out", str(work / "run" / "drafter-legacy"),
               cwd=work)
     return work, out
 
 
-def test_dataset_matches_manifest(quick_run):
-    work, _ = quick_run
-    manifest = read_json(work / "run" / "dataset" / "manifest.json")
+def test_dataset_matches_manifest(quick_run, quick_dataset):
+    manifest = read_json(quick_dataset / "manifest.json")
     assert manifest["aux_layer_ids"] == [2, 15, 27]
     assert manifest["target"]["num_hidden_layers"] == 30 and manifest["num_samples"] > 20
     assert {s["split"] for s in manifest["shards"]} == {"train", "heldout"}
@@ -44,14 +32,14 @@ def test_dataset_matches_manifest(quick_run):
 
 def test_served_speculators_format_is_lossless(quick_run):
     work, out = quick_run
-    run_stage("export/validate.py", out, cwd=work)
+    run_stage("export/validate.py", *out, cwd=work)
     report = json.loads((work / "run" / "validation.json").read_text())
     assert report["lossless"] is True
     assert report["acceptance_length"] >= 1.0 and len(report["acceptance_rate_per_position"]) == 2
     assert "ngram" in json.dumps(report["tokens_per_target_step"])
     assert (work / "run" / "validation.md").is_file() and (work / "run" / "validation-acceptance.png").is_file()
     # the push dry run builds the card from this report and lists the exact upload
-    listing = run_stage("export/push.py", out, "--repo-id", "draftsmith/smollm2-quick", "--dry-run", cwd=work)
+    listing = run_stage("export/push.py", *out, "--repo-id", "draftsmith/smollm2-quick", "--dry-run", cwd=work)
     for name in ("README.md", "config.json", "model.safetensors", "validation.json"):
         assert name in listing
     card = (work / "run" / "hub" / "draftsmith--smollm2-quick" / "README.md").read_text()
@@ -60,7 +48,7 @@ def test_served_speculators_format_is_lossless(quick_run):
 
 def test_served_legacy_format_is_lossless(quick_run):
     work, out = quick_run
-    run_stage("export/validate.py", out, "--drafter", str(work / "run" / "drafter-legacy"),
+    run_stage("export/validate.py", *out, "--drafter", str(work / "run" / "drafter-legacy"),
               "export.ngram_baseline=false", cwd=work)
     report = json.loads((work / "run" / "validation.json").read_text())
     assert report["lossless"] is True

@@ -1,0 +1,16 @@
+"""Run the repo's stage scripts as a user does: `python <stage>.py --config NAME key=value ...` in a subprocess."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STAGE_TIMEOUT_S = 1800
+
+
+def run_stage(script: str, *args: str, cwd: Path, config: str = "smollm2-quick") -> str:
+    proc = subprocess.run([sys.executable, str(REPO / script), "--config", config, *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=STAGE_TIMEOUT_S, check=False,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout
