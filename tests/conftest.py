@@ -5,13 +5,13 @@ import random
 
 import pytest
 import torch
+from stages import run_stage
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from draftsmith.data.capture import capture_to_shards
 from draftsmith.data.manifest import atomic_write_json, target_identity
 from draftsmith.data.shards import FORMAT
 from draftsmith.data.vocab import build_draft_vocab, count_loss_masked_tokens, save_vocab
-from stages import run_stage
 
 TINY_VOCAB = 96
 

@@ -1,7 +1,6 @@
 """Multi-process resume with real SIGKILLs: one rank killed -9 mid-run, the same command relaunched, ends with
 the weights of an unbroken run; a 2-process run resumed on 1 process continues the same global data order."""
 import pytest
-
 from launching import (
     assert_launched_as,
     final_weights,

@@ -83,7 +83,7 @@ def test_quick_chain_as_dependent_jobs_with_two_training_tasks(slurm, quick_data
      "--num_machines 2 --machine_rank 0 --num_processes 2 --main_process_ip cpu-1 --main_process_port 20007"),
 ])
 def test_slurm_variables_map_to_accelerate_flags(env, expected, slurm):
-    cluster, slurm_env = slurm  # scontrol expands the node list
+    _, slurm_env = slurm  # scontrol expands the node list
     out = subprocess.run(["bash", "slurm/launch_accelerate.sh", "train/eagle3.py", "--config", "qwen3-coder"],
                          cwd=REPO, env={**slurm_env, **env, "DRY_RUN": "1", "PYTHON": "python"},
                          capture_output=True, text=True, timeout=60, check=False)
