@@ -1,7 +1,8 @@
 """Training checkpoints (full state for an exact resume) and the drafter bundle that export reads.
 
-A checkpoint is written by accelerate's save_state (model, optimizer, scheduler, RNG of every process)
-plus our loop state, into a temporary folder that is renamed when complete: a half-written checkpoint
+A checkpoint is written by accelerate's save_state (model, optimizer, scheduler, RNG of every process;
+sharded under FSDP2 and ZeRO) plus our loop state and the full drafter weights (`drafter/`, whatever the
+backend), into a temporary folder that is renamed when complete: a half-written checkpoint
 never carries a `step-*` name, so it is never picked up.
 """
 from __future__ import annotations
@@ -35,9 +36,11 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
-def save_checkpoint(accelerator, ckpt_root: Path, step: int, loop_state: dict, keep_last: int = 2) -> Path:
-    """All processes call this (a collective under FSDP2 and ZeRO); the main process renames the finished
-    folder and prunes old ones."""
+def save_checkpoint(accelerator, ckpt_root: Path, step: int, loop_state: dict, drafter: tuple | None = None,
+                    keep_last: int = 2) -> Path:
+    """All processes call this (a collective under FSDP2 and ZeRO); the main process adds `drafter/` (the full
+    weights as a bundle export/ can read, from `drafter` = (state_dict, spec)), renames the finished folder and
+    prunes old ones."""
     final = ckpt_root / f"step-{step:07d}"
     tmp = ckpt_root / f".tmp-step-{step:07d}"
     if accelerator.is_main_process:
@@ -46,6 +49,9 @@ def save_checkpoint(accelerator, ckpt_root: Path, step: int, loop_state: dict, k
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()  # FSDP2/ZeRO: every process writes its shard into tmp before the rename
     if accelerator.is_main_process:
+        if drafter is not None:
+            state, spec = drafter
+            save_drafter_bundle(tmp / "drafter", state, spec, {"step": step})
         atomic_write_json(tmp / "loop_state.json", loop_state)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

@@ -203,13 +203,13 @@ class Trainer:
         return accuracy_summary(summed[:J], summed[J:])
 
     def save(self, eval_result: dict | None) -> None:
-        """Checkpoint on every process; a new best held-out score also writes `best/` (full weights)."""
+        """Checkpoint on every process, with the full weights; a new best held-out score also writes `best/`."""
+        state = full_state_dict(self.acc, self.model)  # a collective under FSDP2: every process calls it
         if eval_result is not None:
             al = eval_result["simulated_acceptance_length"]
             # the served K may exceed the steps trained; rank by the deepest K both cover
             score = al[str(min(self.best_k, max(int(k) for k in al)))]
             if score > self.best:  # the same on every process: the evaluation was reduced
-                state = full_state_dict(self.acc, self.model)  # a collective under FSDP2
                 if self.acc.is_main_process:
                     save_drafter_bundle(self.out / "best", state, self.method.drafter_spec,
                                         {"step": self.step, "eval": eval_result})
@@ -218,7 +218,8 @@ class Trainer:
         save_checkpoint(self.acc, self.out / "checkpoints", self.step, {
             "step": self.step, "best": self.best, "data_position": self.pos.state_dict(),
             "world_size": self.world, "config_sha256": config_sha256(self.cfg),
-            "resumable_config": resumable_config(self.cfg), "config": config_to_dict(self.cfg)})
+            "resumable_config": resumable_config(self.cfg), "config": config_to_dict(self.cfg)},
+            drafter=(state, self.method.drafter_spec))
 
     def train(self) -> None:
         cfg = self.cfg.train

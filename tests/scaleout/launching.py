@@ -53,9 +53,14 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "train" / "best" / "drafter.safetensors")
 
 
-def logged_losses(run_dir: Path) -> dict[int, float]:
+def train_lines(run_dir: Path) -> dict[int, dict]:
+    """step -> the logged training record (metrics summed over processes)."""
     lines = [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
-    return {m["step"]: m["loss"] for m in lines if "loss" in m}
+    return {m["step"]: m for m in lines if "loss" in m}
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    return {step: m["loss"] for step, m in train_lines(run_dir).items()}
 
 
 def max_abs_difference(a: dict, b: dict) -> float:
