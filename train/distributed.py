@@ -114,5 +114,7 @@ def sum_over_processes(acc, values: torch.Tensor) -> torch.Tensor:
 def full_state_dict(acc, model) -> dict[str, torch.Tensor]:
     """The unsharded trained state on the main process (FSDP2 and ZeRO gather it): call on every process."""
     state = acc.get_state_dict(model)
+    if not acc.is_main_process:
+        return {}
     # a CPU run's "offload to CPU" copies nothing: clone before FSDP2 frees the gathered storage
     return {k.removeprefix("drafter."): v.detach().clone() for k, v in state.items()}

@@ -220,7 +220,11 @@ class Drafter(nn.Module):
         self.mask_hidden = nn.Parameter(0.02 * torch.randn(1, fc_in)) if parallel_drafting else None
 
     def combine_aux_hidden_states(self, aux: torch.Tensor) -> torch.Tensor:
-        """[B, T, n_aux * H_t] -> [B, T, H]: optional norms, then fc (vLLM `combine_hidden_states`)."""
+        """[B, T, n_aux * H_t] -> [B, T, H]: optional norms, then fc (vLLM `combine_hidden_states`).
+
+        The states take the weights' dtype: bf16 under DeepSpeed's bf16 mode or FSDP2's param_dtype.
+        """
+        aux = aux.to(self.fc.weight.dtype)
         if self.input_norm is not None:
             aux = self.input_norm(aux)
         if self.fc_norm is not None:
