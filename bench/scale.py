@@ -1,11 +1,12 @@
 """Training throughput on 1 and 2 CPU processes over the same data and the same global batch (issue #10).
 
-Usage: python bench/scale.py [--steps 20] [--batch-tokens 2048] [--samples 160]
+Usage: python bench/scale.py [--steps 12] [--repeats 2] [--batch-tokens 2048] [--samples 160]
 Writes a dataset of random hidden states with the embedded SmolLM2 target's real shapes, draft vocab and
 teacher head (the step costs what a real one costs), then trains EAGLE-3 on it three ways, each from scratch:
   1 process x 1 thread, grad_accum 2   |   1 process x 2 threads, grad_accum 2   |   2 processes (DDP) x 1 thread
 and prints tokens/s (from each run's own metrics.jsonl), the 2-process / 1-process ratio, and the bytes each
 run read from the dataset per trained token (summed over processes: it must not grow with the world size).
+The three run in turn, --repeats times; the ratios use each one's best rate (the least disturbed run).
 """
 import argparse
 import json
@@ -86,7 +87,8 @@ def train_once(name: str, work: Path, dataset: Path, processes: int, threads: in
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--samples", type=int, default=160)
     p.add_argument("--draft-vocab", type=int, default=8192)
@@ -98,17 +100,24 @@ def main():
         print(f"dataset: {args.samples} train samples of random hidden states, SmolLM2 shapes; "
               f"{args.steps} steps x 2 rows x {args.batch_tokens} tokens per run; torch {torch.__version__}, "
               f"{os.cpu_count()} cores", flush=True)
-        runs = []
-        for name, processes, threads in (("1proc-1thread", 1, 1), ("1proc-2threads", 1, 2), ("2proc-ddp", 2, 1)):
-            r = train_once(name, work, dataset, processes, threads, args.steps, args.batch_tokens, args.draft_vocab)
-            runs.append(r)
-            print(json.dumps(r), flush=True)
-    base, two = runs[1], runs[2]
+        best = {}
+        for repeat in range(args.repeats):
+            for name, processes, threads in (("1proc-1thread", 1, 1), ("1proc-2threads", 1, 2), ("2proc-ddp", 2, 1)):
+                r = train_once(f"{name}-{repeat}", work, dataset, processes, threads, args.steps, args.batch_tokens,
+                               args.draft_vocab)
+                print(json.dumps(r), flush=True)
+                if name not in best or r["tokens_per_s"] > best[name]["tokens_per_s"]:
+                    best[name] = r
+    one, base, two = best["1proc-1thread"], best["1proc-2threads"], best["2proc-ddp"]
+    print(f"best tokens/s: 1 process x 1 thread {one['tokens_per_s']}, 1 process x 2 threads {base['tokens_per_s']}, "
+          f"2 processes x 1 thread {two['tokens_per_s']}")
     print(f"2 processes / 1 process (2 threads): tokens/s ratio {two['tokens_per_s'] / base['tokens_per_s']:.3f} "
           f"(loss {100 * (1 - two['tokens_per_s'] / base['tokens_per_s']):.1f} %)")
-    print(f"2 processes / 1 process (1 thread):  tokens/s ratio {two['tokens_per_s'] / runs[0]['tokens_per_s']:.3f}")
-    print(f"dataset bytes read, 2 processes / 1 process: {two['data_bytes_read'] / base['data_bytes_read']:.3f} "
-          "(same global rows: 1.0 means no extra I/O)")
+    print(f"2 processes / 1 process (1 thread):  tokens/s ratio {two['tokens_per_s'] / one['tokens_per_s']:.3f}")
+    print(f"dataset bytes per trained token: 1 process {base['data_bytes_per_trained_token']}, "
+          f"2 processes {two['data_bytes_per_trained_token']} (ratio "
+          f"{two['data_bytes_read'] / base['data_bytes_read']:.4f}; the same rows, plus one more copy of the "
+          "offsets tables)")
 
 
 if __name__ == "__main__":
