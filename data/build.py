@@ -29,7 +29,13 @@ from draftsmith.data.manifest import (
 )
 from draftsmith.data.prompts import build_prompt_splits
 from draftsmith.data.shards import FORMAT
-from draftsmith.data.target import load_target_config, load_target_model, load_tokenizer, resolve_target_path
+from draftsmith.data.target import (
+    load_target_config,
+    load_target_model,
+    load_tokenizer,
+    resolve_target_path,
+    snapshot_revision,
+)
 from draftsmith.data.vocab import build_draft_vocab, count_loss_masked_tokens, save_vocab
 
 logger = logging.getLogger("draftsmith.data.build")
@@ -108,9 +114,9 @@ def main(argv=None) -> None:
     cfg, args = parse_run_args(build_arg_parser(__doc__), argv)
     log_run_header("data/build", args.config)
     out = cfg.dataset_dir()
-    target_path = resolve_target_path(cfg.target.name_or_path)
+    target_path = resolve_target_path(cfg.target.name_or_path, cfg.target.revision)
     hf_cfg = load_target_config(target_path)
-    identity = target_identity(cfg.target.name_or_path, hf_cfg)
+    identity = target_identity(cfg.target.name_or_path, hf_cfg, snapshot_revision(target_path))
     aux_ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids, identity["num_hidden_layers"])
     check_existing_dataset(out, identity, aux_ids)
     recipe = data_recipe_sha256(cfg, identity, aux_ids)

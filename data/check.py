@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     ds_dir = cfg.dataset_dir()
     manifest = read_json(ds_dir / "manifest.json", "dataset manifest")
     check_token_counts(ds_dir, manifest)
-    model = load_target_model(resolve_target_path(cfg.target.name_or_path), "float32")
+    model = load_target_model(resolve_target_path(cfg.target.name_or_path, cfg.target.revision), "float32")
     for split in ("train", "heldout"):
         worst = check_hidden_states(model, ShardedDataset(ds_dir, split), manifest["aux_layer_ids"], args.samples,
                                     args.tol)

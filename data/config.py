@@ -29,7 +29,10 @@ class ConfigError(UserError):
 @dataclass(frozen=True, kw_only=True)
 class TargetConfig:
     name_or_path: str = "smollm2"
-    """The target: 'smollm2' (the embedded SmolLM2-135M-Instruct), an HF folder, or a Hub id."""
+    """The target: 'smollm2' (the embedded SmolLM2-135M-Instruct), an HF folder, or a Hub id (read from the local
+    Hugging Face cache, downloaded into it once when the Hub is reachable)."""
+    revision: str = ""
+    """Hub revision of a Hub id (branch, tag or commit; empty = main); the manifest records the commit used."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Dtype the target runs in for regeneration and capture."""
     aux_layer_ids: tuple[int, ...] = ()

@@ -55,8 +55,9 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def target_identity(name_or_path: str, hf_config) -> dict:
-    """What identifies a target for later stages: its name, config hash and the dims a drafter depends on."""
+def target_identity(name_or_path: str, hf_config, revision: str = "") -> dict:
+    """What identifies a target for later stages: its name, config hash and the dims a drafter depends on; for a
+    Hub id, the commit of the snapshot used."""
     cfg = hf_config.to_dict()
     for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"):
         cfg.pop(k, None)
@@ -67,4 +68,4 @@ def target_identity(name_or_path: str, hf_config) -> dict:
         "num_hidden_layers": int(text_cfg.num_hidden_layers),
         "hidden_size": int(text_cfg.hidden_size),
         "vocab_size": int(text_cfg.vocab_size),
-    }
+    } | ({"revision": revision} if revision else {})

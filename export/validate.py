@@ -196,7 +196,7 @@ def run_validation(argv) -> None:
     log_run_header("export/validate", args.config)
     run_dir = cfg.run_dir()
     drafter_dir = Path(args.drafter) if args.drafter else run_dir / "drafter"
-    target = args.target or resolve_target_path(cfg.target.name_or_path)
+    target = args.target or resolve_target_path(cfg.target.name_or_path, cfg.target.revision)
     drafter = check_drafter_fits_target(drafter_dir, target)
     prompts_path = Path(args.prompts) if args.prompts else cfg.dataset_dir() / "prompts-heldout.jsonl"
     prompts = load_prompt_ids(prompts_path, cfg.export.num_validation_prompts, load_tokenizer(target))

@@ -14,7 +14,7 @@ from draftsmith.data.errors import UserError
 from draftsmith.data.layer_ids import resolve_aux_layer_ids
 from draftsmith.data.manifest import read_json, target_identity
 from draftsmith.data.shards import ShardedDataset
-from draftsmith.data.target import load_target_config, load_target_head, resolve_target_path
+from draftsmith.data.target import is_hub_id, load_target_config, load_target_head, resolve_target_head_path
 from draftsmith.data.vocab import load_vocab
 from draftsmith.train.checkpoint import latest_checkpoint
 from draftsmith.train.drafter import Drafter, drafter_dims, init_drafter_from_target
@@ -41,7 +41,7 @@ def load_checked_dataset(cfg: RunConfig):
     """-> (train ShardedDataset, held-out ShardedDataset, aux ids, target path, target HF config)."""
     ds_dir = cfg.dataset_dir()
     manifest = read_json(ds_dir / "manifest.json", "dataset manifest (run data/build.py first)")
-    target_path = resolve_target_path(cfg.target.name_or_path)
+    target_path = resolve_target_head_path(cfg.target.name_or_path, cfg.target.revision)
     hf_cfg = load_target_config(target_path)
     aux_ids = check_dataset_matches(cfg, manifest, target_identity(cfg.target.name_or_path, hf_cfg),
                                     str(ds_dir / "manifest.json"))
@@ -89,5 +89,7 @@ def drafter_spec(cfg: RunConfig, drafter: Drafter, hf_cfg, target_path: str, aux
         "norm_before_fc": cfg.drafter.norm_before_fc, "norm_before_residual": cfg.drafter.norm_before_residual,
         "mask_token_id": mask_token_id, "bos_token_id": getattr(text_cfg, "bos_token_id", None),
         "eos_token_id": getattr(text_cfg, "eos_token_id", None),
-        "verifier": {"name_or_path": str(target_path), "architectures": list(hf_cfg.architectures or [])},
+        # vLLM resolves a Hub id itself; a folder or the embedded target is named by its path
+        "verifier": {"name_or_path": cfg.target.name_or_path if is_hub_id(cfg.target.name_or_path) else str(target_path),
+                     "architectures": list(hf_cfg.architectures or [])},
     }
