@@ -5,6 +5,7 @@ Rows are planned from sample lengths alone and packed (read) only by the process
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +25,11 @@ class DataPosition:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
 
 
-def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
+@functools.lru_cache(maxsize=2)
+def epoch_order(num_samples: int, seed: int, epoch: int) -> tuple[int, ...]:
+    """The epoch's sample order; cached: every process plans every row of a step from it."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_samples, generator=g).tolist()
+    return tuple(torch.randperm(num_samples, generator=g).tolist())
 
 
 def pack_row(samples: list[dict], row_tokens: int) -> dict[str, torch.Tensor]:
