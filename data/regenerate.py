@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draftsmith.data.chat import prompt_messages, render_generation_prompt
+from draftsmith.data.capture import input_device
+from draftsmith.data.chat import generated_message, prompt_messages, render_generation_prompt
 from draftsmith.data.config import RegenerateConfig
 from draftsmith.data.errors import UserError
 from draftsmith.data.manifest import atomic_write_json, read_json
@@ -38,8 +39,12 @@ def sampling_record(cfg: RegenerateConfig, backend: str, target: dict) -> dict:
             "seed": cfg.seed}
 
 
-def prompt_key(messages: list[dict]) -> str:
-    return hashlib.sha256(json.dumps(prompt_messages(messages), sort_keys=True).encode()).hexdigest()[:16]
+def prompt_key(record: dict) -> str:
+    """What a response answers: the turns before it, and the tools offered (only when there are any, so keys of
+    tool-free prompts stay as they were)."""
+    prompt = prompt_messages(record["messages"])
+    shown = {"messages": prompt, "tools": record["tools"]} if record.get("tools") else prompt
+    return hashlib.sha256(json.dumps(shown, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _load_done(out_path: Path, records: list[dict]) -> dict[int, dict]:
@@ -53,16 +58,16 @@ def _load_done(out_path: Path, records: list[dict]) -> dict[int, dict]:
                 except json.JSONDecodeError:
                     break  # a torn last line from a crash: regenerate from there
                 i = rec["index"]
-                if i < len(records) and rec.get("prompt_key") == prompt_key(records[i]["messages"]):
+                if i < len(records) and rec.get("prompt_key") == prompt_key(records[i]):
                     done[i] = rec
     return done
 
 
 class TransformersGenerator:
-    def __init__(self, target_path: str, dtype: str, tokenizer):
+    def __init__(self, target_path: str, dtype: str, tokenizer, device_map: str = ""):
         from draftsmith.data.target import load_target_model
 
-        self.model = load_target_model(target_path, dtype)
+        self.model = load_target_model(target_path, dtype, device_map)
         self.tok = tokenizer
 
     def generate(self, prompts: list[list[int]], cfg: RegenerateConfig) -> list[list[int]]:
@@ -77,7 +82,7 @@ class TransformersGenerator:
         kwargs = dict(do_sample=cfg.temperature > 0, max_new_tokens=cfg.max_new_tokens, pad_token_id=pad)
         if cfg.temperature > 0:
             kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p)
-        device = self.model.device
+        device = input_device(self.model)  # the first layer's device when target.device_map splits the model
         out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)[:, t:].cpu()
         eos = self.tok.eos_token_id
         results = []
@@ -114,7 +119,7 @@ class VllmGenerator:
 
 
 def regenerate_responses(records: list[dict], tokenizer, target_path: str, target_identity: dict, target_dtype: str,
-                         cfg: RegenerateConfig, out_path: Path, max_seq_len: int) -> list[dict]:
+                         cfg: RegenerateConfig, out_path: Path, max_seq_len: int, device_map: str = "") -> list[dict]:
     """records[i]["messages"] -> same conversations with the last assistant turn written by the target."""
     backend = choose_backend(cfg)
     params = sampling_record(cfg, backend, target_identity)
@@ -126,9 +131,10 @@ def regenerate_responses(records: list[dict], tokenizer, target_path: str, targe
     done = _load_done(out_path, records)
     todo = [i for i in range(len(records)) if i not in done]
     if todo:
-        prompts = {i: render_generation_prompt(tokenizer, prompt_messages(records[i]["messages"])) for i in todo}
+        prompts = {i: render_generation_prompt(tokenizer, prompt_messages(records[i]["messages"]),
+                                               records[i].get("tools")) for i in todo}
         gen = (VllmGenerator(target_path, target_dtype, max_seq_len, cfg.seed) if backend == "vllm"
-               else TransformersGenerator(target_path, target_dtype, tokenizer))
+               else TransformersGenerator(target_path, target_dtype, tokenizer, device_map))
         try:
             _generate_in_batches(gen, todo, prompts, records, tokenizer, cfg, out_path, done)
         finally:
@@ -145,10 +151,10 @@ def _generate_in_batches(gen, todo, prompts, records, tokenizer, cfg, out_path, 
             batch = todo[b: b + cfg.batch_size]
             outputs = gen.generate([prompts[i] for i in batch], cfg)
             for i, out in zip(batch, outputs):
-                text = tokenizer.decode(out, skip_special_tokens=True)
-                messages = prompt_messages(records[i]["messages"]) + [{"role": "assistant", "content": text.strip()}]
-                done[i] = {"index": i, "prompt_key": prompt_key(records[i]["messages"]), "messages": messages,
-                           "num_tokens": len(out), "group": records[i].get("group")}
+                messages = prompt_messages(records[i]["messages"]) + [generated_message(tokenizer, out)]
+                done[i] = {"index": i, "prompt_key": prompt_key(records[i]), "messages": messages,
+                           "tools": records[i].get("tools") or [], "num_tokens": len(out),
+                           "group": records[i].get("group")}
                 f.write(json.dumps(done[i]) + "\n")
                 new_tokens += len(out)
             f.flush()

@@ -14,7 +14,12 @@ import signal
 import sys
 from pathlib import Path
 
-from draftsmith.data.chat import normalize_conversation, prompt_messages, render_generation_prompt
+from draftsmith.data.chat import (
+    normalize_conversation,
+    normalize_tools,
+    prompt_messages,
+    render_generation_prompt,
+)
 from draftsmith.data.cli import build_arg_parser, git_commit, log_run_header, parse_run_args, run_entry
 from draftsmith.data.errors import UserError
 from draftsmith.data.manifest import atomic_write_bytes, atomic_write_json, read_json
@@ -76,8 +81,9 @@ def load_prompt_ids(path: Path, limit: int, tokenizer) -> list[list[int]]:
     prompts = []
     for lineno, line in enumerate(lines, 1):
         try:
-            messages = prompt_messages(normalize_conversation(json.loads(line)))
-            prompts.append(render_generation_prompt(tokenizer, messages))
+            record = json.loads(line)
+            messages = prompt_messages(normalize_conversation(record))
+            prompts.append(render_generation_prompt(tokenizer, messages, normalize_tools(record)))
         except ValueError as e:  # JSONDecodeError included
             raise UserError(f"{path}:{lineno}: {e}") from None
     if not prompts:

@@ -5,7 +5,14 @@ import dataclasses
 
 from transformers import AutoConfig
 
-from draftsmith.data.build import data_recipe_sha256, finished_with_same_recipe, main
+from draftsmith.data.build import (
+    data_recipe_sha256,
+    finished_with_same_recipe,
+    loss_mask_options,
+    main,
+    prompt_line,
+    tokenize_samples,
+)
 from draftsmith.data.config import load_config
 from draftsmith.data.manifest import atomic_write_json, target_identity
 
@@ -39,3 +46,30 @@ def test_a_finished_dataset_with_the_same_recipe_is_left_untouched(tiny_target_d
     # a manifest from before the recipe hash (or another recipe) means: build as usual
     atomic_write_json(out / "manifest.json", {"config_sha256": "old"})
     assert not finished_with_same_recipe(out, data_recipe_sha256(cfg, identity, [1, 2, 3]))
+
+
+def test_earlier_turns_are_trained_without_regeneration_or_when_asked():
+    cfg, _ = load_config("smollm2-demo")
+    regenerated = cfg.data
+    assert regenerated.regenerate.enabled and not regenerated.loss_on_earlier_turns
+    assert loss_mask_options(regenerated) == {"loss_on_earlier_turns": False, "loss_on_reasoning": True}
+    asked = dataclasses.replace(regenerated, loss_on_earlier_turns=True, loss_on_reasoning=False)
+    assert loss_mask_options(asked) == {"loss_on_earlier_turns": True, "loss_on_reasoning": False}
+    dataset_only = dataclasses.replace(regenerated, regenerate=dataclasses.replace(regenerated.regenerate,
+                                                                                   enabled=False))
+    assert loss_mask_options(dataset_only)["loss_on_earlier_turns"] is True
+
+
+def test_samples_and_prompt_files_keep_the_tools():
+    from targets import tokenizer_folder
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder("qwen3-coder-30b-a3b-instruct"))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    conv = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+            "tools": tools, "group": "Hi"}
+    options = {"loss_on_earlier_turns": False, "loss_on_reasoning": True}
+    [sample] = tokenize_samples([conv], tok, 4096, options)
+    assert "<name>get_weather</name>" in tok.decode(sample["input_ids"])
+    assert prompt_line(conv) == {"messages": conv["messages"], "tools": tools}
+    assert prompt_line({**conv, "tools": []}) == {"messages": conv["messages"]}

@@ -6,7 +6,7 @@ import pytest
 from draftsmith.data.config import RegenerateConfig
 from draftsmith.data.errors import UserError
 from draftsmith.data.manifest import target_identity
-from draftsmith.data.regenerate import regenerate_responses
+from draftsmith.data.regenerate import prompt_key, regenerate_responses
 from draftsmith.data.target import load_target_config, load_tokenizer, resolve_target_path
 
 
@@ -43,3 +43,10 @@ def test_regeneration_resumes_by_prompt_and_refuses_changed_parameters(tmp_path)
     with pytest.raises(UserError, match="regenerated.jsonl was generated with"):
         regenerate_responses(_records("What is a tuple?"), tok, path, identity, "float32",
                              RegenerateConfig(backend="transformers", max_new_tokens=8), out, 256)
+
+
+def test_the_prompt_key_covers_the_tools_offered():
+    record = _records("What is a tuple?")[0]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert prompt_key({**record, "tools": []}) == prompt_key(record)
+    assert prompt_key({**record, "tools": [tool]}) != prompt_key(record)
