@@ -1,5 +1,6 @@
 """Build the training set: prompts -> [regenerated responses] -> template + loss mask -> captured hidden
-states in shards -> draft vocab. Usage: python data/build.py --config smollm2-demo [key=value ...]"""
+states in shards -> draft vocab. Usage: python data/build.py --config smollm2-demo [key=value ...];
+`accelerate launch --num_processes N data/build.py ...` captures with N processes; --dry-run prints the disk plan."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +18,8 @@ from draftsmith.data.cli import (
     run_entry,
     save_resolved_config,
 )
-from draftsmith.data.config import RunConfig, config_sha256, config_to_dict
+from draftsmith.data.config import DataConfig, RunConfig, config_sha256, config_to_dict
+from draftsmith.data.disk import bytes_per_token, describe_disk_plan, planned_tokens, require_free_space
 from draftsmith.data.errors import UserError
 from draftsmith.data.layer_ids import resolve_aux_layer_ids
 from draftsmith.data.manifest import (
@@ -27,6 +29,7 @@ from draftsmith.data.manifest import (
     sha256_text,
     target_identity,
 )
+from draftsmith.data.processes import BuildProcesses, end_build_processes, start_build_processes, wait_for_all
 from draftsmith.data.prompts import build_prompt_splits
 from draftsmith.data.shards import FORMAT
 from draftsmith.data.target import (
@@ -74,10 +77,21 @@ def finished_with_same_recipe(out: Path, recipe_sha256: str) -> bool:
     return path.is_file() and read_json(path, "dataset manifest").get("data_recipe_sha256") == recipe_sha256
 
 
-def tokenize_samples(conversations: list[dict], tokenizer, max_seq_len: int) -> list[dict]:
+def loss_mask_options(data: DataConfig) -> dict[str, bool]:
+    """render_with_loss_mask's options. Regeneration rewrites only the last assistant turn; without it every
+    turn comes from the dataset alike, so all are trained."""
+    if data.loss_on_earlier_turns and not data.regenerate.enabled:
+        logger.warning("data.loss_on_earlier_turns has no effect with data.regenerate.enabled=false: every "
+                       "assistant turn comes from the dataset and is trained")
+    return {"loss_on_earlier_turns": data.loss_on_earlier_turns or not data.regenerate.enabled,
+            "loss_on_reasoning": data.loss_on_reasoning}
+
+
+def tokenize_samples(conversations: list[dict], tokenizer, max_seq_len: int,
+                     mask_options: dict[str, bool]) -> list[dict]:
     samples, too_long, empty = [], 0, 0
     for conv in conversations:
-        ids, mask = render_with_loss_mask(tokenizer, conv["messages"])
+        ids, mask = render_with_loss_mask(tokenizer, conv["messages"], conv.get("tools"), **mask_options)
         if len(ids) > max_seq_len:
             too_long += 1
         elif sum(mask) == 0:
@@ -97,7 +111,7 @@ def regenerated_conversations(records, tokenizer, target_path, identity: dict, c
     from draftsmith.data.regenerate import regenerate_responses
 
     return regenerate_responses(records, tokenizer, target_path, identity, cfg.target.dtype, cfg.data.regenerate,
-                                out / "regenerated.jsonl", cfg.data.max_seq_len)
+                                out / "regenerated.jsonl", cfg.data.max_seq_len, cfg.target.device_map)
 
 
 def build_vocab(out: Path, samples: list[dict], vocab_size: int, draft_vocab_size: int) -> None:
@@ -110,13 +124,50 @@ def build_vocab(out: Path, samples: list[dict], vocab_size: int, draft_vocab_siz
     save_vocab(out / "vocab.safetensors", d2t, t2d, counts)
 
 
-def main(argv=None) -> None:
-    cfg, args = parse_run_args(build_arg_parser(__doc__), argv)
-    log_run_header("data/build", args.config)
+def template_splits(convs: list[dict], num_train: int, tokenizer, data: DataConfig) -> dict[str, list[dict]]:
+    options = loss_mask_options(data)
+    return {"train": tokenize_samples(convs[:num_train], tokenizer, data.max_seq_len, options),
+            "heldout": tokenize_samples(convs[num_train:], tokenizer, data.max_seq_len, options)}
+
+
+def prompt_line(record: dict) -> dict:
+    """A prompts-*.jsonl line: the turns, and the tools the record offers (validation renders both)."""
+    return {"messages": record["messages"], **({"tools": record["tools"]} if record.get("tools") else {})}
+
+
+def write_build_inputs(out: Path, cfg: RunConfig, identity: dict, aux_ids: list[int], train: list[dict],
+                       heldout: list[dict]) -> None:
+    """What the folder is built from: the resolved config, the target and aux ids, the prompts."""
+    out.mkdir(parents=True, exist_ok=True)
+    save_resolved_config(cfg, cfg.run_dir() / "config.yaml")
+    atomic_write_json(out / "build.json", {"target": identity, "aux_layer_ids": aux_ids})
+    write_jsonl(out / "prompts-train.jsonl", [prompt_line(r) for r in train])
+    write_jsonl(out / "prompts-heldout.jsonl", [prompt_line(r) for r in heldout])
+
+
+def write_manifest(out: Path, cfg: RunConfig, identity: dict, aux_ids: list[int], recipe: str, chat_template: str,
+                   shards: list[dict]) -> None:
+    manifest = {
+        "format": FORMAT, "target": identity, "aux_layer_ids": aux_ids, "dtype": cfg.data.storage_dtype,
+        "num_samples": sum(s["num_samples"] for s in shards), "num_tokens": sum(s["num_tokens"] for s in shards),
+        "shards": shards, "chat_template_sha256": sha256_text(chat_template),
+        "prompt_source": {"source": cfg.data.prompts.source, "path": cfg.data.prompts.path,
+                          "split": cfg.data.prompts.split},
+        "regenerate": json.loads(json.dumps(cfg.data.regenerate.__dict__)), "config_sha256": config_sha256(cfg),
+        "data_recipe_sha256": recipe,
+    }
+    atomic_write_json(out / "manifest.json", manifest)  # last: its presence means the dataset is complete
+    logger.info("dataset %s: %d samples, %d tokens in %d shards", out, manifest["num_samples"],
+                manifest["num_tokens"], len(shards))
+
+
+def build_dataset(cfg: RunConfig, procs: BuildProcesses, dry_run: bool) -> None:
+    """Every process plans the same samples and shards and captures its share; the main process writes the folder,
+    regenerates the responses (the others wait, then read them) and writes the vocab and manifest."""
     out = cfg.dataset_dir()
     target_path = resolve_target_path(cfg.target.name_or_path, cfg.target.revision)
-    hf_cfg = load_target_config(target_path)
-    identity = target_identity(cfg.target.name_or_path, hf_cfg, snapshot_revision(target_path))
+    identity = target_identity(cfg.target.name_or_path, load_target_config(target_path),
+                               snapshot_revision(target_path))
     aux_ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids, identity["num_hidden_layers"])
     check_existing_dataset(out, identity, aux_ids)
     recipe = data_recipe_sha256(cfg, identity, aux_ids)
@@ -124,40 +175,48 @@ def main(argv=None) -> None:
         # a second run over a shared dataset must not rewrite its prompts, vocab or manifest
         logger.info("dataset %s is complete and was built with the same data settings: nothing to do", out)
         return
-    out.mkdir(parents=True, exist_ok=True)
-    save_resolved_config(cfg, cfg.run_dir() / "config.yaml")
-    atomic_write_json(out / "build.json", {"target": identity, "aux_layer_ids": aux_ids})
     tokenizer = load_tokenizer(target_path)
     train, heldout = build_prompt_splits(cfg.data.prompts)
-    write_jsonl(out / "prompts-train.jsonl", [{"messages": r["messages"]} for r in train])
-    write_jsonl(out / "prompts-heldout.jsonl", [{"messages": r["messages"]} for r in heldout])
-    convs = regenerated_conversations(train + heldout, tokenizer, target_path, identity, cfg, out)
-    samples = {"train": tokenize_samples(convs[: len(train)], tokenizer, cfg.data.max_seq_len),
-               "heldout": tokenize_samples(convs[len(train):], tokenizer, cfg.data.max_seq_len)}
-    from draftsmith.data.capture import capture_to_shards
+    records = train + heldout
+    samples = None if cfg.data.regenerate.enabled else template_splits(records, len(train), tokenizer, cfg.data)
+    tokens = planned_tokens(records, samples, tokenizer, cfg.data)
+    per_token = bytes_per_token(len(aux_ids), identity["hidden_size"], cfg.data.storage_dtype)
+    if dry_run:
+        print(describe_disk_plan(out, tokens, per_token, samples is None))
+        return
+    require_free_space(out, tokens * per_token)
+    if procs.is_main:
+        write_build_inputs(out, cfg, identity, aux_ids, train, heldout)
+        convs = regenerated_conversations(records, tokenizer, target_path, identity, cfg, out)
+    wait_for_all(procs)  # the folder is written and every response generated
+    if not procs.is_main:  # reads the main process's responses back: nothing is left to generate
+        convs = regenerated_conversations(records, tokenizer, target_path, identity, cfg, out)
+    if samples is None:
+        samples = template_splits(convs, len(train), tokenizer, cfg.data)
+    from draftsmith.data.capture import capture_splits, planned_shard_entries
 
-    model = load_target_model(target_path, cfg.target.dtype)
+    model = load_target_model(target_path, cfg.target.dtype, cfg.target.device_map)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    storage = getattr(torch, cfg.data.storage_dtype)
-    shards, first = [], 0
-    for split in ("train", "heldout"):
-        entries = capture_to_shards(model, samples[split], aux_ids, out, split, first, cfg.data.samples_per_shard,
-                                    cfg.data.capture_batch_tokens, pad_id, storage)
-        shards += entries
-        first += len(entries)
-    manifest = {
-        "format": FORMAT, "target": identity, "aux_layer_ids": aux_ids, "dtype": cfg.data.storage_dtype,
-        "num_samples": sum(s["num_samples"] for s in shards), "num_tokens": sum(s["num_tokens"] for s in shards),
-        "shards": shards, "chat_template_sha256": sha256_text(tokenizer.chat_template),
-        "prompt_source": {"source": cfg.data.prompts.source, "path": cfg.data.prompts.path,
-                          "split": cfg.data.prompts.split},
-        "regenerate": json.loads(json.dumps(cfg.data.regenerate.__dict__)), "config_sha256": config_sha256(cfg),
-        "data_recipe_sha256": recipe,
-    }
-    build_vocab(out, samples["train"], identity["vocab_size"], cfg.data.draft_vocab_size)
-    atomic_write_json(out / "manifest.json", manifest)  # last: its presence means the dataset is complete
-    logger.info("dataset %s: %d samples, %d tokens in %d shards", out, manifest["num_samples"],
-                manifest["num_tokens"], len(shards))
+    capture_splits(model, samples, aux_ids, out, cfg.data.samples_per_shard, cfg.data.capture_batch_tokens, pad_id,
+                   getattr(torch, cfg.data.storage_dtype), procs.rank, procs.world_size)
+    wait_for_all(procs)  # every shard and its sidecar are written
+    if procs.is_main:
+        build_vocab(out, samples["train"], identity["vocab_size"], cfg.data.draft_vocab_size)
+        write_manifest(out, cfg, identity, aux_ids, recipe, tokenizer.chat_template,
+                       planned_shard_entries(out, samples, cfg.data.samples_per_shard))
+
+
+def main(argv=None) -> None:
+    parser = build_arg_parser(__doc__)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the dataset's estimated size on disk and the free space there, then exit")
+    cfg, args = parse_run_args(parser, argv)
+    log_run_header("data/build", args.config)
+    procs = start_build_processes(cfg.target.device_map)
+    try:
+        build_dataset(cfg, procs, args.dry_run)
+    finally:
+        end_build_processes(procs)
 
 
 if __name__ == "__main__":  # vLLM (regeneration) spawns worker processes

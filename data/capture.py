@@ -12,6 +12,7 @@ import json
 import torch
 
 from draftsmith.data.errors import UserError
+from draftsmith.data.shards import CapturedSample, ShardWriter, finished_shard_entry, written_shard_entry
 
 
 def decoder_of(model):
@@ -21,6 +22,19 @@ def decoder_of(model):
         if not hasattr(dec, attr):
             raise UserError(f"target decoder {type(dec).__name__} has no '{attr}'; capture supports Llama-like stacks")
     return dec
+
+
+def input_device(model) -> torch.device:
+    """Where the target's inputs go: the device of its input embedding. Under a device_map the first parameter
+    can sit elsewhere (another GPU, or the CPU for an offloaded part), so next(parameters()) is not it."""
+    embed = decoder_of(model).embed_tokens
+    # an embedding accelerate offloaded (weights on "meta") runs on its hook's execution device
+    device = getattr(getattr(embed, "_hf_hook", None), "execution_device", None)
+    return torch.device(device) if device is not None else embed.weight.device
+
+
+def hidden_size_of(model) -> int:
+    return decoder_of(model).embed_tokens.embedding_dim
 
 
 def _first(out):
@@ -52,8 +66,9 @@ def capture_aux_hidden_states(model, input_ids: torch.Tensor, attention_mask: to
     finally:
         for h in handles:
             h.remove()
-    aux = torch.cat([grabbed[k] for k in aux_layer_ids], dim=-1)  # [B, T, n_aux * H]
-    return aux, grabbed[n + 1]
+    # under a device_map the layers sit on several GPUs: gather the taps where the inputs are
+    aux = torch.cat([grabbed[k].to(input_ids.device) for k in aux_layer_ids], dim=-1)  # [B, T, n_aux * H]
+    return aux, grabbed[n + 1].to(input_ids.device)
 
 
 def length_batches(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
@@ -81,42 +96,76 @@ def pad_batch(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return ids, mask
 
 
+def plan_shards(samples: list[dict], samples_per_shard: int) -> list[list[dict]]:
+    """The samples of shard 0, 1, ... of one split, in order (the same plan for every process count)."""
+    return [samples[i: i + samples_per_shard] for i in range(0, len(samples), samples_per_shard)]
+
+
+def shard_inputs_sha256(chunk: list[dict]) -> str:
+    """What a shard is made from: a resumed build recaptures a shard whose samples changed."""
+    return hashlib.sha256(json.dumps([[s["input_ids"], s["loss_mask"]] for s in chunk]).encode()).hexdigest()
+
+
+def capture_shard(model, chunk: list[dict], aux_layer_ids: list[int], writer, max_batch_tokens: int, pad_id: int,
+                  bar) -> None:
+    """Capture one shard's samples batch by batch, each sample written to its place as soon as it is captured."""
+    device = input_device(model)
+    for batch in length_batches([len(s["input_ids"]) for s in chunk], max_batch_tokens):
+        ids, mask = pad_batch([chunk[i]["input_ids"] for i in batch], pad_id)
+        aux, final = capture_aux_hidden_states(model, ids.to(device), mask.to(device), aux_layer_ids)
+        aux, final = aux.cpu(), final.cpu()
+        for row, i in enumerate(batch):
+            t = len(chunk[i]["input_ids"])
+            writer.write_sample(i, CapturedSample(ids[row, :t], torch.tensor(chunk[i]["loss_mask"]), aux[row, :t],
+                                                  final[row, :t]))
+        bar.update(int(mask.sum()))
+
+
 def capture_to_shards(model, samples: list[dict], aux_layer_ids: list[int], dataset_dir, split: str,
                       first_shard: int, samples_per_shard: int, max_batch_tokens: int, pad_id: int,
-                      storage_dtype) -> list[dict]:
-    """Capture `samples` ({"input_ids", "loss_mask"}) into shards first_shard, first_shard+1, ...
+                      storage_dtype, rank: int = 0, world_size: int = 1) -> list[dict]:
+    """Capture `samples` ({"input_ids", "loss_mask"}) into shards first_shard, first_shard+1, ...; of N processes,
+    process r captures the shards whose index is r modulo N. Returns the manifest entries of this process's shards.
 
     Finished shards (sidecar present, checksum matching) are skipped, so a killed build resumes.
     """
-    import time
-
     from tqdm import tqdm
 
-    from draftsmith.data.shards import CapturedSample, finished_shard_entry, write_shard
-
+    shards = [(first_shard + c, chunk) for c, chunk in enumerate(plan_shards(samples, samples_per_shard))
+              if (first_shard + c) % world_size == rank]
+    hidden = hidden_size_of(model)
     entries = []
-    device = next(model.parameters()).device
-    chunks = [samples[i: i + samples_per_shard] for i in range(0, len(samples), samples_per_shard)]
-    bar = tqdm(total=sum(len(s["input_ids"]) for s in samples), desc=f"capture {split}", unit="tok", unit_scale=True)
-    start, done_tokens = time.time(), 0
-    for c, chunk in enumerate(chunks):
-        index = first_shard + c
-        inputs = hashlib.sha256(json.dumps([[s["input_ids"], s["loss_mask"]] for s in chunk]).encode()).hexdigest()
-        entry = finished_shard_entry(dataset_dir, index, inputs)
-        if entry is None:
-            captured = [None] * len(chunk)
-            for batch in length_batches([len(s["input_ids"]) for s in chunk], max_batch_tokens):
-                ids, mask = pad_batch([chunk[i]["input_ids"] for i in batch], pad_id)
-                aux, final = capture_aux_hidden_states(model, ids.to(device), mask.to(device), aux_layer_ids)
-                aux, final = aux.cpu(), final.cpu()
-                for row, i in enumerate(batch):
-                    t = len(chunk[i]["input_ids"])
-                    captured[i] = CapturedSample(ids[row, :t], torch.tensor(chunk[i]["loss_mask"]),
-                                                 aux[row, :t].to(storage_dtype), final[row, :t].to(storage_dtype))
-                done_tokens += int(mask.sum())
-                bar.set_postfix(tok_s=f"{done_tokens / max(time.time() - start, 1e-6):.0f}")
-            entry = write_shard(dataset_dir, index, split, captured, storage_dtype, inputs)
-        entries.append(entry)
-        bar.update(entry["num_tokens"])
-    bar.close()
+    with tqdm(total=sum(len(s["input_ids"]) for _, chunk in shards for s in chunk), desc=f"capture {split}",
+              unit="tok", unit_scale=True, disable=rank != 0) as bar:
+        for index, chunk in shards:
+            inputs = shard_inputs_sha256(chunk)
+            entry = finished_shard_entry(dataset_dir, index, inputs)
+            if entry is None:
+                with ShardWriter(dataset_dir, index, split, [len(s["input_ids"]) for s in chunk],
+                                 len(aux_layer_ids) * hidden, hidden, storage_dtype, inputs) as writer:
+                    capture_shard(model, chunk, aux_layer_ids, writer, max_batch_tokens, pad_id, bar)
+                    entry = writer.finish()
+            else:
+                bar.update(entry["num_tokens"])
+            entries.append(entry)
+    return entries
+
+
+def capture_splits(model, samples: dict[str, list[dict]], aux_layer_ids: list[int], dataset_dir,
+                   samples_per_shard: int, max_batch_tokens: int, pad_id: int, storage_dtype, rank: int = 0,
+                   world_size: int = 1) -> None:
+    """This process's shards of a dataset's one plan: train shards first, held-out shards numbered on after them."""
+    first = 0
+    for split in ("train", "heldout"):
+        capture_to_shards(model, samples[split], aux_layer_ids, dataset_dir, split, first, samples_per_shard,
+                          max_batch_tokens, pad_id, storage_dtype, rank, world_size)
+        first += len(plan_shards(samples[split], samples_per_shard))
+
+
+def planned_shard_entries(dataset_dir, samples: dict[str, list[dict]], samples_per_shard: int) -> list[dict]:
+    """Every shard's manifest entry in plan order, from the sidecars the capturing processes wrote."""
+    entries = []
+    for split in ("train", "heldout"):
+        for chunk in plan_shards(samples[split], samples_per_shard):
+            entries.append(written_shard_entry(dataset_dir, len(entries), shard_inputs_sha256(chunk)))
     return entries

@@ -37,6 +37,9 @@ class TargetConfig:
     """Dtype the target runs in for regeneration and capture."""
     aux_layer_ids: tuple[int, ...] = ()
     """Aux layer ids (vLLM convention, DESIGN section 2); empty = the default [2, N//2, N-3]."""
+    device_map: Literal["", "auto", "balanced", "sequential"] = ""
+    """Capture and check: "" = the whole target on one device (each process's GPU, else the CPU); "auto" (or
+    another accelerate device_map) = split over the node's visible GPUs, for targets larger than one GPU."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +88,12 @@ class DataConfig:
     """Response regeneration by the target."""
     max_seq_len: int = 2048
     """Drop samples longer than this after templating (tokens)."""
+    loss_on_reasoning: bool = True
+    """Train on the assistant's reasoning as the template renders it (Qwen3 <think> block, harmony analysis
+    channel); false trains only on what follows it."""
+    loss_on_earlier_turns: bool = False
+    """With regeneration on, also train on the dataset's earlier assistant turns (the target writes only the
+    last one). Without regeneration every assistant turn comes from the dataset and is always trained."""
     capture_batch_tokens: int = 8192
     """Padded tokens per capture forward."""
     samples_per_shard: int = 256

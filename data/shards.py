@@ -7,15 +7,20 @@ final norm), offsets [S+1] int64. A sidecar `shard-NNNNN.json` marks a finished 
 """
 from __future__ import annotations
 
+import json
+import math
+import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
 from draftsmith.data.errors import UserError
-from draftsmith.data.manifest import atomic_write_bytes, atomic_write_json, read_json, sha256_file
+from draftsmith.data.manifest import atomic_write_json, read_json, sha256_file, temp_file_beside
 
 FORMAT = "draftsmith.hidden_states/1"
 SHARD_KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states", "offsets")
@@ -33,25 +38,105 @@ class CapturedSample:
     final_hidden_states: torch.Tensor  # [T, H]
 
 
+def safetensors_header(layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str]
+                       ) -> tuple[bytes, dict[str, int]]:
+    """The header bytes safetensors' save() writes for tensors of these dtypes and shapes, and the file offset of
+    each tensor's data, computed without the tensors themselves.
+
+    save() orders the data by dtype, then name, and pads the JSON with spaces to 8 bytes; the order is read from
+    save() run on one-element stand-ins, so it follows the installed library rather than a copy of its rule.
+    """
+    probe = save({k: torch.zeros(1, dtype=dt) for k, (dt, _) in layout.items()}, metadata=metadata)
+    probe_header = json.loads(probe[8: 8 + struct.unpack("<Q", probe[:8])[0]])
+    order = [k for k in probe_header if k != "__metadata__"]
+    header: dict = {"__metadata__": metadata}
+    begin = 0
+    for name in order:
+        dtype, shape = layout[name]
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": probe_header[name]["dtype"], "shape": list(shape), "data_offsets": [begin, begin + size]}
+        begin += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    starts = {name: 8 + len(text) + header[name]["data_offsets"][0] for name in order}
+    return struct.pack("<Q", len(text)) + text, starts
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:  # one pwrite moves at most ~2 GiB on Linux
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+class ShardWriter:
+    """One shard written in place, sample by sample, so a shard never sits whole in memory.
+
+    The sample lengths are known before capture, so the header and offsets go first and each sample's rows are
+    written into every tensor's region when the sample arrives (in any order); the file is byte-identical to
+    safetensors' save() of the concatenated tensors. Use it as a context manager: finish() fsyncs, renames the
+    temp file onto the shard's name, hashes it and writes the sidecar; leaving without finish() deletes the temp.
+    """
+
+    def __init__(self, dataset_dir: Path, index: int, split: str, lengths: list[int], aux_width: int,
+                 hidden_size: int, dtype, inputs_sha256: str = ""):
+        self.path = Path(dataset_dir) / shard_name(index)
+        self.split, self.dtype, self.inputs_sha256 = split, dtype, inputs_sha256
+        self.offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)  # [S+1]
+        self.offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+        n = int(self.offsets[-1])
+        layout = {"input_ids": (torch.int32, (n,)), "loss_mask": (torch.uint8, (n,)),
+                  "aux_hidden_states": (dtype, (n, aux_width)), "final_hidden_states": (dtype, (n, hidden_size)),
+                  "offsets": (torch.int64, (len(lengths) + 1,))}
+        header, self.starts = safetensors_header(layout, {"format": FORMAT})
+        self.row_bytes = {k: math.prod(shape[1:]) * dt.itemsize for k, (dt, shape) in layout.items()}
+        self.missing = set(range(len(lengths)))
+        self.fd, self.tmp = temp_file_beside(self.path)
+        _pwrite_all(self.fd, memoryview(header), 0)
+        self._write_rows("offsets", 0, self.offsets)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:  # not finished: an error or a kill mid-shard leaves no partial file
+            os.close(self.fd)
+            self.tmp.unlink(missing_ok=True)
+
+    def _write_rows(self, key: str, first_row: int, rows: torch.Tensor) -> None:
+        data = memoryview(rows.contiguous().view(torch.uint8).numpy()).cast("B")
+        _pwrite_all(self.fd, data, self.starts[key] + first_row * self.row_bytes[key])
+
+    def write_sample(self, i: int, sample: CapturedSample) -> None:
+        first, t = int(self.offsets[i]), int(self.offsets[i + 1] - self.offsets[i])
+        assert len(sample.input_ids) == t and i in self.missing, (i, len(sample.input_ids), t)
+        self._write_rows("input_ids", first, sample.input_ids.to(torch.int32))
+        self._write_rows("loss_mask", first, sample.loss_mask.to(torch.uint8))
+        self._write_rows("aux_hidden_states", first, sample.aux_hidden_states.to(self.dtype))
+        self._write_rows("final_hidden_states", first, sample.final_hidden_states.to(self.dtype))
+        self.missing.discard(i)
+
+    def finish(self) -> dict:
+        """Publish the shard (fsync, rename), then its sidecar; returns the manifest entry."""
+        assert not self.missing, f"samples {sorted(self.missing)[:5]} of {self.path.name} were never written"
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = None
+        os.replace(self.tmp, self.path)
+        entry = {"file": self.path.name, "split": self.split, "num_samples": len(self.offsets) - 1,
+                 "num_tokens": int(self.offsets[-1]), "sha256": sha256_file(self.path)}
+        atomic_write_json(self.path.with_suffix(".json"), {**entry, "inputs_sha256": self.inputs_sha256})
+        return entry
+
+
 def write_shard(dataset_dir: Path, index: int, split: str, samples: list[CapturedSample], dtype,
                 inputs_sha256: str = "") -> dict:
-    """Pack samples into one shard file (atomic), then its sidecar; returns the manifest entry."""
-    lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int64)
-    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    tensors = {
-        "input_ids": torch.cat([s.input_ids for s in samples]).to(torch.int32),
-        "loss_mask": torch.cat([s.loss_mask for s in samples]).to(torch.uint8),
-        "aux_hidden_states": torch.cat([s.aux_hidden_states for s in samples]).to(dtype).contiguous(),
-        "final_hidden_states": torch.cat([s.final_hidden_states for s in samples]).to(dtype).contiguous(),
-        "offsets": offsets,
-    }
-    path = Path(dataset_dir) / shard_name(index)
-    atomic_write_bytes(path, save(tensors, metadata={"format": FORMAT}))
-    entry = {"file": path.name, "split": split, "num_samples": len(samples), "num_tokens": int(offsets[-1]),
-             "sha256": sha256_file(path)}
-    atomic_write_json(path.with_suffix(".json"), {**entry, "inputs_sha256": inputs_sha256})
-    return entry
+    """Pack samples held in memory into one shard file (atomic), then its sidecar; returns the manifest entry."""
+    with ShardWriter(dataset_dir, index, split, [len(s.input_ids) for s in samples],
+                     samples[0].aux_hidden_states.shape[-1], samples[0].final_hidden_states.shape[-1], dtype,
+                     inputs_sha256) as writer:
+        for i, s in enumerate(samples):
+            writer.write_sample(i, s)
+        return writer.finish()
 
 
 def finished_shard_entry(dataset_dir: Path, index: int, inputs_sha256: str = "") -> dict | None:
@@ -68,6 +153,20 @@ def finished_shard_entry(dataset_dir: Path, index: int, inputs_sha256: str = "")
     if entry.pop("inputs_sha256", "") != inputs_sha256:
         return None
     return entry if sha256_file(path) == entry.get("sha256") else None
+
+
+def written_shard_entry(dataset_dir: Path, index: int, inputs_sha256: str) -> dict:
+    """The manifest entry of shard `index` from its sidecar, written (and its checksum taken) by whichever process
+    captured it; not re-hashed here, so collecting a large dataset's manifest costs no full read."""
+    side = (Path(dataset_dir) / shard_name(index)).with_suffix(".json")
+    if not side.is_file():
+        raise UserError(f"{side} is missing: the process that captures shard {index} did not finish it; rerun the "
+                        "same build command (finished shards are kept)")
+    entry = read_json(side, "shard sidecar")
+    if entry.pop("inputs_sha256", "") != inputs_sha256:
+        raise UserError(f"{side} records other input samples than this build planned for shard {index}; rerun the "
+                        "same build command (it recaptures stale shards)")
+    return entry
 
 
 def verify_shard(path: Path, entry: dict) -> None:

@@ -70,8 +70,8 @@ def head_weight_files(folder: Path) -> list[str]:
     return sorted({weight_map[k] for k in HEAD_TENSORS if k in weight_map})
 
 
-def hub_snapshot(repo_id: str, revision: str, patterns: list[str]) -> str:
-    """snapshot_download of `patterns`, with errors that say what to fix."""
+def hub_snapshot(repo_id: str, revision: str, patterns: list[str], repo_type: str = "model") -> str:
+    """snapshot_download of `patterns` (a model, or a dataset for data.prompts), with errors that say what to fix."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         HFValidationError,
@@ -80,19 +80,21 @@ def hub_snapshot(repo_id: str, revision: str, patterns: list[str]) -> str:
         RevisionNotFoundError,
     )
 
+    what, key = ("target", "target.name_or_path") if repo_type == "model" else ("dataset", "data.prompts.path")
     at = f"'{repo_id}'" + (f" at revision '{revision}'" if revision else "")
     try:
-        return snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns)
+        return snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns, repo_type=repo_type)
     except HFValidationError as e:
-        raise UserError(f"target.name_or_path '{repo_id}' is not an embedded target ({', '.join(EMBEDDED_TARGETS)}), "
-                        f"an existing folder, or a valid Hub repo id: {e}") from None
+        names = f"an embedded target ({', '.join(EMBEDDED_TARGETS)}), " if repo_type == "model" else ""
+        raise UserError(f"{key} '{repo_id}' is not {names}an existing path, or a valid Hub repo id: {e}") from None
     except (RepositoryNotFoundError, RevisionNotFoundError) as e:
-        raise UserError(f"target {at}: {type(e).__name__}; check target.name_or_path, target.revision and your "
-                        "Hugging Face token (gated models need an accepted licence)") from None
+        raise UserError(f"{what} {at}: {type(e).__name__}; check {key}, the revision and your Hugging Face token "
+                        "(gated repos need an accepted licence)") from None
     except LocalEntryNotFoundError:
         offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
-        raise UserError(f"target {at} is not in the local Hugging Face cache {constants.HF_HUB_CACHE} and the Hub "
-                        f"cannot be reached{offline}; fetch it once with `hf download {repo_id}`") from None
+        flag = "" if repo_type == "model" else " --repo-type dataset"
+        raise UserError(f"{what} {at} is not in the local Hugging Face cache {constants.HF_HUB_CACHE} and the Hub "
+                        f"cannot be reached{offline}; fetch it once with `hf download {repo_id}{flag}`") from None
 
 
 def snapshot_revision(path: str) -> str:
@@ -189,9 +191,17 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_target_model(path: str, dtype: str):
+def load_target_model(path: str, dtype: str, device_map: str = ""):
+    """The target for inference: on the current GPU (else the CPU), or placed by accelerate's big-model loading
+    when device_map is set (target.device_map)."""
     from transformers import AutoModelForCausalLM
 
+    if device_map:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), device_map=device_map)
+        # one device in all (a CPU-only host) sets no hf_device_map
+        placed = getattr(model, "hf_device_map", {"": model.device})
+        logger.info("target placed with device_map=%s on %s", device_map, sorted({str(d) for d in placed.values()}))
+        return model.eval().requires_grad_(False)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model.eval().requires_grad_(False)
     return model.to("cuda") if torch.cuda.is_available() else model

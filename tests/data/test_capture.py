@@ -1,12 +1,21 @@
-"""Capture correctness on tiny random Llama, Qwen3 and Qwen3-MoE targets against HF output_hidden_states."""
+"""Capture correctness on tiny random Llama, Qwen3 and Qwen3-MoE targets against HF output_hidden_states; inputs
+go to the input embedding's device, and device_map placement captures the same numbers."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-from draftsmith.data.capture import capture_aux_hidden_states, length_batches, pad_batch
+from draftsmith.data.capture import (
+    capture_aux_hidden_states,
+    capture_to_shards,
+    input_device,
+    length_batches,
+    pad_batch,
+)
+from draftsmith.data.target import load_target_model
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+COMMON = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+          "tie_word_embeddings": False}
 CONFIGS = {
     "llama": lambda: LlamaConfig(**COMMON),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),
@@ -59,3 +68,47 @@ def test_length_batches_respects_token_budget():
     assert sorted(i for b in batches for i in b) == list(range(6))
     for b in batches:
         assert max(lengths[i] for i in b) * len(b) <= 20 or len(b) == 1
+
+
+class _TowerFirst(torch.nn.Module):
+    """A target whose first parameter is not where inputs go (a vision tower, an offloaded part): here on meta."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.tower = torch.nn.Linear(2, 2, device="meta")
+        self.lm = lm
+
+    def get_decoder(self):
+        return self.lm.model
+
+
+def test_inputs_go_to_the_input_embedding_not_the_first_parameter(tmp_path):
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(CONFIGS["llama"]()).eval()
+    wrapped = _TowerFirst(lm)
+    assert next(wrapped.parameters()).device.type == "meta" and input_device(wrapped) == torch.device("cpu")
+    samples = [{"input_ids": [5, 9, 11, 3], "loss_mask": [0, 1, 1, 1]}, {"input_ids": [4, 4], "loss_mask": [1, 1]}]
+    args = (samples, [1, 2], tmp_path / "wrapped", "train", 0, 2, 64, 0, torch.float32)
+    got = capture_to_shards(wrapped, *args)
+    want = capture_to_shards(lm, samples, [1, 2], tmp_path / "plain", *args[3:])
+    assert [e["sha256"] for e in got] == [e["sha256"] for e in want]
+
+
+@pytest.mark.parametrize("placement", ["auto", "offloaded"])
+def test_a_device_map_placed_target_captures_the_same_numbers(tmp_path, placement):
+    """target.device_map goes through accelerate's big-model loading; on a CPU-only host "auto" places everything
+    on the CPU, and offloading every layer to disk runs them through accelerate's hooks as a split target does."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(CONFIGS["llama"]()).save_pretrained(tmp_path / "target")
+    plain = load_target_model(str(tmp_path / "target"), "float32")
+    if placement == "auto":
+        placed = load_target_model(str(tmp_path / "target"), "float32", "auto")
+    else:
+        placed = AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32, device_map="auto",
+                                                      max_memory={"cpu": 1000}, offload_folder=str(tmp_path / "off"))
+        assert next(placed.parameters()).device.type == "meta" and input_device(placed) == torch.device("cpu")
+    ids, mask = pad_batch([[5, 9, 11, 3, 7, 8, 2], [4, 4, 10]], pad_id=0)
+    want = capture_aux_hidden_states(plain, ids, mask, [0, 1, 2])
+    got = capture_aux_hidden_states(placed, ids.to(input_device(placed)), mask.to(input_device(placed)), [0, 1, 2])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

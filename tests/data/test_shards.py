@@ -1,10 +1,20 @@
-"""Shard writing, resume after a kill, and refusal of truncated or tampered shards."""
+"""Shard writing (streamed sample by sample, byte-identical to safetensors' save), resume after a kill, and
+refusal of truncated or tampered shards."""
 import pytest
 import torch
+from safetensors.torch import save
 
+from draftsmith.data import shards
 from draftsmith.data.capture import capture_to_shards
 from draftsmith.data.manifest import atomic_write_json
-from draftsmith.data.shards import FORMAT, CapturedSample, ShardedDataset, shard_name, write_shard
+from draftsmith.data.shards import (
+    FORMAT,
+    CapturedSample,
+    ShardedDataset,
+    ShardWriter,
+    shard_name,
+    write_shard,
+)
 
 
 def _sample(t, seed, h=8, n_aux=3):
@@ -37,6 +47,36 @@ def test_roundtrip_packed_samples(tmp_path):
         assert ds.sample_length(i) == len(s.input_ids)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_streamed_shard_is_byte_identical_to_saving_the_concatenated_tensors(tmp_path, dtype):
+    samples = [_sample(t, seed) for seed, t in enumerate((5, 1, 9, 4))]
+    reference = save({
+        "input_ids": torch.cat([s.input_ids for s in samples]).to(torch.int32),
+        "loss_mask": torch.cat([s.loss_mask for s in samples]).to(torch.uint8),
+        "aux_hidden_states": torch.cat([s.aux_hidden_states for s in samples]).to(dtype),
+        "final_hidden_states": torch.cat([s.final_hidden_states for s in samples]).to(dtype),
+        "offsets": torch.tensor([0, 5, 6, 15, 19]),
+    }, metadata={"format": FORMAT})  # what write_shard wrote before shards were streamed
+    with ShardWriter(tmp_path, 0, "train", [5, 1, 9, 4], 24, 8, dtype, "abc") as writer:
+        for i in (2, 0, 3, 1):  # capture batches samples by length, so they arrive out of order
+            writer.write_sample(i, samples[i])
+        entry = writer.finish()
+    streamed = (tmp_path / shard_name(0)).read_bytes()
+    first_bad = next((i for i, (a, b) in enumerate(zip(streamed, reference)) if a != b), None)
+    assert streamed == reference, f"{len(streamed)} vs {len(reference)} bytes, first differing byte {first_bad}"
+    assert entry["num_samples"] == 4 and entry["num_tokens"] == 19
+    write_shard(tmp_path / "packed", 0, "train", samples, dtype)
+    assert (tmp_path / "packed" / shard_name(0)).read_bytes() == reference
+
+
+def test_an_unfinished_shard_leaves_no_file(tmp_path):
+    with pytest.raises(RuntimeError, match="capture failed"), \
+            ShardWriter(tmp_path, 3, "train", [4, 4], 24, 8, torch.bfloat16) as writer:
+        writer.write_sample(0, _sample(4, 0))
+        raise RuntimeError("capture failed")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_tampered_shard_is_refused_naming_the_file(tmp_path):
     _write_dataset(tmp_path)
     path = tmp_path / shard_name(1)
@@ -57,44 +97,43 @@ def test_truncated_shard_is_refused(tmp_path):
         ShardedDataset(tmp_path, "train")[0]
 
 
-class _CountingModel(torch.nn.Module):
-    """A real (tiny) HF model whose forward calls are counted, to see which shards a resume recomputes."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.inner, self.calls = model, 0
-
-    def get_decoder(self):
-        self.calls += 1
-        return self.inner.model
-
-
-def test_kill_and_resume_skips_finished_shards(tmp_path, monkeypatch):
+def _counting_target():
+    """A real (tiny) HF model that counts its decoder forwards, to see which shards a resume recomputes."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1)
-    model = _CountingModel(AutoModelForCausalLM.from_config(cfg).eval())
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.calls = 0
+
+    def count(*_):
+        model.calls += 1
+
+    model.model.register_forward_pre_hook(count)
+    return model
+
+
+def test_kill_and_resume_skips_finished_shards(tmp_path, monkeypatch):
+    model = _counting_target()
     samples = [{"input_ids": list(range(1, 5 + i)), "loss_mask": [0, 1] * 2 + [1] * i} for i in range(6)]
-    args = dict(aux_layer_ids=[1, 2], dataset_dir=tmp_path, split="train", first_shard=0, samples_per_shard=2,
-                max_batch_tokens=10_000, pad_id=0, storage_dtype=torch.float32)
+    args = {"aux_layer_ids": [1, 2], "dataset_dir": tmp_path, "split": "train", "first_shard": 0,
+            "samples_per_shard": 2, "max_batch_tokens": 10_000, "pad_id": 0, "storage_dtype": torch.float32}
 
-    import draftsmith.data.shards as shards
+    real_write = shards.ShardWriter.write_sample
 
-    real_write, written = shards.write_shard, []
+    def dying_write(writer, i, sample):
+        if writer.path.name == shard_name(2):
+            raise KeyboardInterrupt("killed")  # mid-shard: part of shard 2 is already on disk
+        real_write(writer, i, sample)
 
-    def dying_write(*a, **k):
-        if len(written) == 2:
-            raise KeyboardInterrupt("killed")
-        written.append(a[1])
-        return real_write(*a, **k)
-
-    monkeypatch.setattr(shards, "write_shard", dying_write)
+    monkeypatch.setattr(shards.ShardWriter, "write_sample", dying_write)
     with pytest.raises(KeyboardInterrupt):
         capture_to_shards(model, samples, **args)
-    monkeypatch.setattr(shards, "write_shard", real_write)
-    assert written == [0, 1] and not (tmp_path / shard_name(2)).exists()
+    monkeypatch.setattr(shards.ShardWriter, "write_sample", real_write)
+    # shards 0 and 1 are finished; the half-written shard 2 left no file, not even its temp file
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [shard_name(i) for i in range(2)] + [shard_name(i).replace(".safetensors", ".json") for i in range(2)])
     model.calls = 0
     entries = capture_to_shards(model, samples, **args)
     assert model.calls == 1  # only shard 2 was captured again
@@ -106,15 +145,10 @@ def test_kill_and_resume_skips_finished_shards(tmp_path, monkeypatch):
 
 
 def test_resume_with_changed_samples_recaptures_their_shard(tmp_path):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1)
-    model = _CountingModel(AutoModelForCausalLM.from_config(cfg).eval())
+    model = _counting_target()
     samples = [{"input_ids": list(range(1, 5 + i)), "loss_mask": [1] * (4 + i)} for i in range(4)]
-    args = dict(aux_layer_ids=[1, 2], dataset_dir=tmp_path, split="train", first_shard=0, samples_per_shard=2,
-                max_batch_tokens=10_000, pad_id=0, storage_dtype=torch.float32)
+    args = {"aux_layer_ids": [1, 2], "dataset_dir": tmp_path, "split": "train", "first_shard": 0,
+            "samples_per_shard": 2, "max_batch_tokens": 10_000, "pad_id": 0, "storage_dtype": torch.float32}
     capture_to_shards(model, samples, **args)
     samples[3] = {"input_ids": [9, 9, 9], "loss_mask": [1, 1, 1]}
     model.calls = 0
