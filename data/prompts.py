@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from draftsmith.data.chat import normalize_conversation
+from draftsmith.data.chat import normalize_conversation, normalize_tools
 from draftsmith.data.config import PromptsConfig
 from draftsmith.data.errors import UserError
 
@@ -86,18 +86,38 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def _read_hf_dataset(cfg: PromptsConfig) -> list[dict]:
+    """A `save_to_disk` folder (Dataset or DatasetDict), a local folder or file `load_dataset` reads, or a Hub
+    dataset id: its files for the split come through the local HF cache (HF_HUB_OFFLINE=1 reads only the cache),
+    like a Hub-id target, and `load_dataset` then reads that snapshot folder."""
     import datasets
 
-    if Path(cfg.path).exists() and Path(cfg.path, "dataset_info.json").exists():
-        ds = datasets.load_from_disk(cfg.path)
-        ds = ds[cfg.split] if isinstance(ds, datasets.DatasetDict) else ds
+    path = Path(cfg.path)
+    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if cfg.split not in ds:
+                raise UserError(f"data.prompts.split '{cfg.split}' is not in {path} (splits: {sorted(ds)})")
+            ds = ds[cfg.split]
     else:
-        ds = datasets.load_dataset(cfg.path, split=cfg.split)
+        if path.exists():
+            source = str(path)
+        else:
+            from draftsmith.data.target import hub_snapshot
+
+            # the split's data files (named <split>-NNNNN-of-NNNNN or <split>.<ext> by the Hub's conventions)
+            # and the README whose YAML header may declare the splits
+            patterns = ["README.md", f"*{cfg.split}-*", f"*{cfg.split}.*", f"*/{cfg.split}/*"]
+            source = hub_snapshot(cfg.path, "", patterns, repo_type="dataset")
+        try:
+            ds = datasets.load_dataset(source, split=cfg.split)
+        except ValueError as e:  # an unknown split names the ones that exist
+            raise UserError(f"data.prompts: {cfg.path}: {e}") from None
     return [dict(r) for r in ds]
 
 
 def load_prompt_records(cfg: PromptsConfig) -> list[dict]:
-    """Raw records from the configured source, each normalised to {"messages": [...], "group": str}."""
+    """Raw records from the configured source, each normalised to {"messages": [...], "tools": [...], "group": str}
+    (tools: the record's function schemas, [] when it has none)."""
     if cfg.source == "demo":
         raw = demo_prompt_records()
     elif cfg.source == "jsonl":
@@ -108,10 +128,11 @@ def load_prompt_records(cfg: PromptsConfig) -> list[dict]:
     for i, rec in enumerate(raw):
         try:
             messages = rec["messages"] if cfg.source == "demo" else normalize_conversation(rec, cfg.conversations_column)
+            tools = normalize_tools(rec)
         except ValueError as e:
             raise UserError(f"prompt record {i} of {cfg.source}:{cfg.path or 'demo'}: {e}") from None
         first_user = next((m["content"] for m in messages if m["role"] == "user"), "")
-        out.append({"messages": messages, "group": rec.get("group") or first_user})
+        out.append({"messages": messages, "tools": tools, "group": rec.get("group") or first_user})
     return out
 
 
@@ -122,7 +143,8 @@ def filter_and_dedup(records: list[dict], cfg: PromptsConfig) -> list[dict]:
         users = [m["content"] for m in rec["messages"] if m["role"] == "user"]
         if not users or not cfg.min_prompt_chars <= len(users[0]) <= cfg.max_prompt_chars:
             continue
-        key = hashlib.sha256(json.dumps(rec["messages"], sort_keys=True).encode()).hexdigest()
+        # the same turns offered other tools are another prompt
+        key = hashlib.sha256(json.dumps([rec["messages"], rec["tools"]], sort_keys=True).encode()).hexdigest()
         if key not in seen:
             seen.add(key)
             kept.append(rec)

@@ -29,16 +29,18 @@ LLAMA_MODELS_WHEEL = "llama-models==0.3.0"
 # name -> (fixture folder with config.json, fixture folder with the tokenizer source, width overrides)
 TWINS = {
     # 2048 hidden, 32 q heads x 128 (q width 2x hidden), 4 kv heads, experts of 768 (= 0.375 hidden)
-    "qwen3-coder-30b-a3b-instruct": dict(
-        hidden_size=128, num_attention_heads=8, num_key_value_heads=1, head_dim=32,
-        moe_intermediate_size=48, intermediate_size=342, max_window_layers=TWIN_LAYERS),
+    "qwen3-coder-30b-a3b-instruct": {
+        "hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 32,
+        "moe_intermediate_size": 48, "intermediate_size": 342, "max_window_layers": TWIN_LAYERS},
     # 4096 hidden = 32 heads x 128, 8 kv heads, dense MLP 3.5x hidden
-    "llama-3.1-8b-instruct": dict(
-        hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32, intermediate_size=448),
+    "llama-3.1-8b-instruct": {
+        "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+        "intermediate_size": 448},
     # 2880 hidden, 64 q heads x 64 (q width 4096 = 1.42x hidden), 8 kv heads, experts of 2880 (= hidden).
     # Widths stay multiples of 32 like the real 2880 (vLLM's CPU MoE kernel needs it): 320, q width 1.6x.
-    "gpt-oss-20b": dict(
-        hidden_size=320, num_attention_heads=8, num_key_value_heads=1, head_dim=64, intermediate_size=320),
+    "gpt-oss-20b": {
+        "hidden_size": 320, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 64,
+        "intermediate_size": 320},
 }
 TOKENIZER_SOURCE = {"qwen3-coder-30b-a3b-instruct": "qwen3-coder-30b-a3b-instruct", "qwen3": "qwen3",
                     "llama-3.1-8b-instruct": "llama-3.1-8b-instruct", "gpt-oss-20b": "gpt-oss-20b"}
@@ -107,7 +109,7 @@ def llama_tokenizer_model() -> Path:
     spec = importlib.util.find_spec("llama_models")  # found, never imported: the wheel is installed --no-deps
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"the Llama-3.1 twin needs Meta's tokenizer: pip install --no-deps {LLAMA_MODELS_WHEEL}")
-    return Path(list(spec.submodule_search_locations)[0]) / "llama3" / "tokenizer.model"
+    return Path(next(iter(spec.submodule_search_locations))) / "llama3" / "tokenizer.model"
 
 
 def llama31_special_tokens() -> list[str]:
