@@ -149,6 +149,7 @@ def write_manifest(out: Path, cfg: RunConfig, identity: dict, aux_ids: list[int]
                    shards: list[dict]) -> None:
     manifest = {
         "format": FORMAT, "target": identity, "aux_layer_ids": aux_ids, "dtype": cfg.data.storage_dtype,
+        "capture": cfg.data.capture,
         "num_samples": sum(s["num_samples"] for s in shards), "num_tokens": sum(s["num_tokens"] for s in shards),
         "shards": shards, "chat_template_sha256": sha256_text(chat_template),
         "prompt_source": {"source": cfg.data.prompts.source, "path": cfg.data.prompts.path,
@@ -180,7 +181,9 @@ def build_dataset(cfg: RunConfig, procs: BuildProcesses, dry_run: bool) -> None:
     records = train + heldout
     samples = None if cfg.data.regenerate.enabled else template_splits(records, len(train), tokenizer, cfg.data)
     tokens = planned_tokens(records, samples, tokenizer, cfg.data)
-    per_token = bytes_per_token(len(aux_ids), identity["hidden_size"], cfg.data.storage_dtype)
+    # online datasets store no hidden states: ids and masks only
+    per_token = bytes_per_token(len(aux_ids), identity["hidden_size"] if cfg.data.capture == "offline" else 0,
+                                cfg.data.storage_dtype)
     if dry_run:
         print(describe_disk_plan(out, tokens, per_token, samples is None))
         return
@@ -195,7 +198,8 @@ def build_dataset(cfg: RunConfig, procs: BuildProcesses, dry_run: bool) -> None:
         samples = template_splits(convs, len(train), tokenizer, cfg.data)
     from draftsmith.data.capture import capture_splits, planned_shard_entries
 
-    model = load_target_model(target_path, cfg.target.dtype, cfg.target.device_map)
+    online = cfg.data.capture == "online"
+    model = None if online else load_target_model(target_path, cfg.target.dtype, cfg.target.device_map)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     capture_splits(model, samples, aux_ids, out, cfg.data.samples_per_shard, cfg.data.capture_batch_tokens, pad_id,
                    getattr(torch, cfg.data.storage_dtype), procs.rank, procs.world_size)
@@ -203,7 +207,7 @@ def build_dataset(cfg: RunConfig, procs: BuildProcesses, dry_run: bool) -> None:
     if procs.is_main:
         build_vocab(out, samples["train"], identity["vocab_size"], cfg.data.draft_vocab_size)
         write_manifest(out, cfg, identity, aux_ids, recipe, tokenizer.chat_template,
-                       planned_shard_entries(out, samples, cfg.data.samples_per_shard))
+                       planned_shard_entries(out, samples, cfg.data.samples_per_shard, tokens_only=online))
 
 
 def main(argv=None) -> None:

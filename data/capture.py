@@ -101,9 +101,11 @@ def plan_shards(samples: list[dict], samples_per_shard: int) -> list[list[dict]]
     return [samples[i: i + samples_per_shard] for i in range(0, len(samples), samples_per_shard)]
 
 
-def shard_inputs_sha256(chunk: list[dict]) -> str:
-    """What a shard is made from: a resumed build recaptures a shard whose samples changed."""
-    return hashlib.sha256(json.dumps([[s["input_ids"], s["loss_mask"]] for s in chunk]).encode()).hexdigest()
+def shard_inputs_sha256(chunk: list[dict], tokens_only: bool = False) -> str:
+    """What a shard is made from: a resumed build recaptures a shard whose samples changed, and never takes a
+    tokens-only shard (data.capture online) for a captured one or the other way round."""
+    content = [[s["input_ids"], s["loss_mask"]] for s in chunk] + (["tokens only"] if tokens_only else [])
+    return hashlib.sha256(json.dumps(content).encode()).hexdigest()
 
 
 def capture_shard(model, chunk: list[dict], aux_layer_ids: list[int], writer, max_batch_tokens: int, pad_id: int,
@@ -121,29 +123,42 @@ def capture_shard(model, chunk: list[dict], aux_layer_ids: list[int], writer, ma
         bar.update(int(mask.sum()))
 
 
+def write_tokens_only(chunk: list[dict], writer, bar) -> None:
+    """data.capture online: a shard of tokens and loss masks, its hidden-state tensors zero columns wide."""
+    for i, s in enumerate(chunk):
+        t = len(s["input_ids"])
+        writer.write_sample(i, CapturedSample(torch.tensor(s["input_ids"]), torch.tensor(s["loss_mask"]),
+                                              torch.empty(t, 0), torch.empty(t, 0)))
+        bar.update(t)
+
+
 def capture_to_shards(model, samples: list[dict], aux_layer_ids: list[int], dataset_dir, split: str,
                       first_shard: int, samples_per_shard: int, max_batch_tokens: int, pad_id: int,
                       storage_dtype, rank: int = 0, world_size: int = 1) -> list[dict]:
     """Capture `samples` ({"input_ids", "loss_mask"}) into shards first_shard, first_shard+1, ...; of N processes,
     process r captures the shards whose index is r modulo N. Returns the manifest entries of this process's shards.
 
-    Finished shards (sidecar present, checksum matching) are skipped, so a killed build resumes.
+    Finished shards (sidecar present, checksum matching) are skipped, so a killed build resumes. model None
+    (data.capture online) writes the tokens alone: training computes the hidden states.
     """
     from tqdm import tqdm
 
     shards = [(first_shard + c, chunk) for c, chunk in enumerate(plan_shards(samples, samples_per_shard))
               if (first_shard + c) % world_size == rank]
-    hidden = hidden_size_of(model)
+    hidden = 0 if model is None else hidden_size_of(model)
     entries = []
     with tqdm(total=sum(len(s["input_ids"]) for _, chunk in shards for s in chunk), desc=f"capture {split}",
               unit="tok", unit_scale=True, disable=rank != 0) as bar:
         for index, chunk in shards:
-            inputs = shard_inputs_sha256(chunk)
+            inputs = shard_inputs_sha256(chunk, tokens_only=model is None)
             entry = finished_shard_entry(dataset_dir, index, inputs)
             if entry is None:
                 with ShardWriter(dataset_dir, index, split, [len(s["input_ids"]) for s in chunk],
                                  len(aux_layer_ids) * hidden, hidden, storage_dtype, inputs) as writer:
-                    capture_shard(model, chunk, aux_layer_ids, writer, max_batch_tokens, pad_id, bar)
+                    if model is None:
+                        write_tokens_only(chunk, writer, bar)
+                    else:
+                        capture_shard(model, chunk, aux_layer_ids, writer, max_batch_tokens, pad_id, bar)
                     entry = writer.finish()
             else:
                 bar.update(entry["num_tokens"])
@@ -162,10 +177,11 @@ def capture_splits(model, samples: dict[str, list[dict]], aux_layer_ids: list[in
         first += len(plan_shards(samples[split], samples_per_shard))
 
 
-def planned_shard_entries(dataset_dir, samples: dict[str, list[dict]], samples_per_shard: int) -> list[dict]:
+def planned_shard_entries(dataset_dir, samples: dict[str, list[dict]], samples_per_shard: int,
+                          tokens_only: bool = False) -> list[dict]:
     """Every shard's manifest entry in plan order, from the sidecars the capturing processes wrote."""
     entries = []
     for split in ("train", "heldout"):
         for chunk in plan_shards(samples[split], samples_per_shard):
-            entries.append(written_shard_entry(dataset_dir, len(entries), shard_inputs_sha256(chunk)))
+            entries.append(written_shard_entry(dataset_dir, len(entries), shard_inputs_sha256(chunk, tokens_only)))
     return entries

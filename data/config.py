@@ -94,6 +94,10 @@ class DataConfig:
     loss_on_earlier_turns: bool = False
     """With regeneration on, also train on the dataset's earlier assistant turns (the target writes only the
     last one). Without regeneration every assistant turn comes from the dataset and is always trained."""
+    capture: Literal["offline", "online"] = "offline"
+    """offline: capture the target's hidden states into the shards (train reads them from disk); online: the shards
+    hold tokens only and training runs the frozen target on each row (no hidden states on disk; the target is
+    recomputed every epoch)."""
     capture_batch_tokens: int = 8192
     """Padded tokens per capture forward."""
     samples_per_shard: int = 256

@@ -103,6 +103,8 @@ class ShardWriter:
             self.tmp.unlink(missing_ok=True)
 
     def _write_rows(self, key: str, first_row: int, rows: torch.Tensor) -> None:
+        if rows.numel() == 0:  # a tokens-only shard (data.capture online) has zero-width hidden states
+            return
         data = memoryview(rows.contiguous().view(torch.uint8).numpy()).cast("B")
         _pwrite_all(self.fd, data, self.starts[key] + first_row * self.row_bytes[key])
 
@@ -245,6 +247,10 @@ class ShardedDataset:
         sample = {k: f.get_slice(k)[a:b] for k in SHARD_KEYS if k != "offsets"}
         self.bytes_read += sum(t.numel() * t.element_size() for t in sample.values())
         return sample
+
+    def read_samples(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The samples of one packed row (an online dataset computes their hidden states here, in one batch)."""
+        return [self[i] for i in indices]
 
     def sample_length(self, i: int) -> int:
         si, j = self.index[i]

@@ -191,9 +191,9 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_target_model(path: str, dtype: str, device_map: str = ""):
-    """The target for inference: on the current GPU (else the CPU), or placed by accelerate's big-model loading
-    when device_map is set (target.device_map)."""
+def load_target_model(path: str, dtype: str, device_map: str = "", device=None):
+    """The target for inference: on `device` (default: the current GPU, else the CPU), or placed by accelerate's
+    big-model loading when device_map is set (target.device_map)."""
     from transformers import AutoModelForCausalLM
 
     if device_map:
@@ -204,7 +204,9 @@ def load_target_model(path: str, dtype: str, device_map: str = ""):
         return model.eval().requires_grad_(False)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model.eval().requires_grad_(False)
-    return model.to("cuda") if torch.cuda.is_available() else model
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return model.to(device)
 
 
 def load_target_head(path: str) -> dict[str, torch.Tensor]:

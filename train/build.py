@@ -14,7 +14,14 @@ from draftsmith.data.errors import UserError
 from draftsmith.data.layer_ids import resolve_aux_layer_ids
 from draftsmith.data.manifest import read_json, target_identity
 from draftsmith.data.shards import ShardedDataset
-from draftsmith.data.target import is_hub_id, load_target_config, load_target_head, resolve_target_head_path
+from draftsmith.data.target import (
+    is_hub_id,
+    load_target_config,
+    load_target_head,
+    load_target_model,
+    resolve_target_head_path,
+    resolve_target_path,
+)
 from draftsmith.data.vocab import load_vocab
 from draftsmith.train.checkpoint import latest_checkpoint
 from draftsmith.train.drafter import Drafter, drafter_dims, init_drafter_from_target
@@ -37,8 +44,12 @@ def check_dataset_matches(cfg: RunConfig, manifest: dict, identity: dict, where:
     return want
 
 
-def load_checked_dataset(cfg: RunConfig):
-    """-> (train ShardedDataset, held-out ShardedDataset, aux ids, target path, target HF config)."""
+def load_checked_dataset(cfg: RunConfig, device="cpu"):
+    """-> (train ShardedDataset, held-out ShardedDataset, aux ids, target path, target HF config).
+
+    A tokens-only dataset (data.capture online) comes back wrapped so that reading a row runs the frozen target,
+    loaded here on `device` in target.dtype.
+    """
     ds_dir = cfg.dataset_dir()
     manifest = read_json(ds_dir / "manifest.json", "dataset manifest (run data/build.py first)")
     target_path = resolve_target_head_path(cfg.target.name_or_path, cfg.target.revision)
@@ -48,6 +59,12 @@ def load_checked_dataset(cfg: RunConfig):
     train_ds, heldout_ds = ShardedDataset(ds_dir, "train"), ShardedDataset(ds_dir, "heldout")
     if len(train_ds) == 0:
         raise UserError(f"{ds_dir}: the train split is empty")
+    if manifest.get("capture", "offline") == "online":
+        from draftsmith.train.online import online_datasets
+
+        full = resolve_target_path(cfg.target.name_or_path, cfg.target.revision)  # every weight, not the head only
+        target = load_target_model(full, cfg.target.dtype, cfg.target.device_map, device=device)
+        train_ds, heldout_ds = online_datasets(train_ds, heldout_ds, target, aux_ids, cfg.data.capture_batch_tokens)
     return train_ds, heldout_ds, aux_ids, target_path, hf_cfg
 
 

@@ -46,8 +46,8 @@ def build_method(cfg: RunConfig, model, hf_cfg, target_path, aux_ids, device) ->
 def main(argv=None) -> None:
     cfg, args = parse_run_args(build_arg_parser(__doc__), argv)
     log_run_header("train/eagle3", args.config)
-    train_ds, heldout_ds, aux_ids, target_path, hf_cfg = load_checked_dataset(cfg)
     acc = build_accelerator(cfg)
+    train_ds, heldout_ds, aux_ids, target_path, hf_cfg = load_checked_dataset(cfg, acc.device)
     model = build_drafter(cfg, hf_cfg, target_path, aux_ids, parallel_drafting=False)
     method = build_method(cfg, model, hf_cfg, target_path, aux_ids, acc.device)
     run_training(cfg, acc, model, method, train_ds, heldout_ds)

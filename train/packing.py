@@ -103,7 +103,7 @@ def row_noise(like: torch.Tensor, seed: int, stream: int = 0) -> torch.Tensor:
 
 def pack_planned_row(ds: ShardedDataset, plan: RowPlan, row_tokens: int) -> dict:
     """Read the plan's samples and pack them; "row_seed" (a Python int) rides along with the tensors."""
-    return {**pack_row([ds[i] for i in plan.samples], row_tokens), "row_seed": plan.seed}
+    return {**pack_row(ds.read_samples(plan.samples), row_tokens), "row_seed": plan.seed}
 
 
 def plan_eval_rows(ds: ShardedDataset, max_samples: int, row_tokens: int) -> list[RowPlan]:

@@ -53,3 +53,35 @@ def test_a_build_the_disk_cannot_hold_is_refused_before_capture(build_config, tm
     with pytest.raises(UserError, match=r"dataset run/dataset needs about .* bytes.* has 0.00 GiB \(1000 bytes\) free"):
         main(["--config", build_config(tmp_path)])
     assert not (tmp_path / "run").exists()
+
+
+def test_an_online_dataset_holds_the_tokens_alone(build_config, tmp_path, monkeypatch, capsys):
+    """data.capture online: the same samples as offline, no hidden states (5 bytes a token), the target not loaded."""
+    monkeypatch.chdir(tmp_path)
+    main(["--config", build_config(tmp_path, capture="online"), "--dry-run"])
+    printed = capsys.readouterr().out
+    main(["--config", build_config(tmp_path, capture="online")])
+    manifest = read_json(tmp_path / "run" / "dataset" / "manifest.json")
+    assert manifest["capture"] == "online"
+    assert f"{manifest['num_tokens'] * 5} bytes = {manifest['num_tokens']} tokens" in printed
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "run" / "dataset").glob("shard-*.safetensors"))
+    offline_bytes = manifest["num_tokens"] * BYTES_PER_TOKEN
+    print(f"online shards: {on_disk} bytes, {100 * on_disk / offline_bytes:.2f} % of the offline dataset's size")
+    # ids + masks, plus each shard's header and offsets (~0.5 KB: they dominate at 3 samples a shard)
+    assert on_disk < manifest["num_tokens"] * 5 + 512 * len(manifest["shards"])
+    from draftsmith.data.shards import ShardedDataset
+
+    sample = ShardedDataset(tmp_path / "run" / "dataset", "train")[0]
+    assert sample["aux_hidden_states"].shape == (len(sample["input_ids"]), 0)
+
+
+def test_switching_capture_mode_rewrites_the_shards(build_config, tmp_path, monkeypatch):
+    """A finished captured shard is never reused as a tokens-only one, nor the other way round."""
+    from draftsmith.data.shards import ShardedDataset
+
+    monkeypatch.chdir(tmp_path)
+    widths = []
+    for mode in ("offline", "online", "offline"):
+        main(["--config", build_config(tmp_path, capture=mode)])
+        widths.append(ShardedDataset(tmp_path / "run" / "dataset", "train")[0]["aux_hidden_states"].shape[1])
+    assert widths == [3 * 64, 0, 3 * 64]

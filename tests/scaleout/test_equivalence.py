@@ -71,6 +71,22 @@ def test_two_processes_train_what_one_process_trains(method, backend, one_proces
     assert got_eval["per_step_accuracy"] == pytest.approx(want_eval["per_step_accuracy"], abs=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2", "zero2"])
+def test_two_processes_online_train_what_one_process_offline_trains(backend, one_process, scaleout_config):
+    """data.capture online: each process runs its own copy of the frozen target on its own rows; the result is the
+    offline global batch's (summation order aside), and the target never enters the optimizer or checkpoints."""
+    config, run_dir = scaleout_config(f"two-online-{backend}", online=True)
+    log = run_training(train_command("eagle3", config, backend), launch_env(run_dir.parent), run_dir.parent)
+    assert_launched_as(log, backend, 2)
+    difference = max_abs_difference(final_weights(one_process["eagle3"]), final_weights(run_dir))
+    print(f"eagle3 {backend} online 2proc vs offline 1proc: max |dw| = {difference:.3e}")
+    assert difference < WEIGHT_TOLERANCE
+    want, got = logged_losses(one_process["eagle3"]), logged_losses(run_dir)
+    assert all(got[step] == pytest.approx(want[step], rel=LOSS_RELATIVE_TOLERANCE) for step in want)
+    checkpoint = load_file(run_dir / "train" / "checkpoints" / "step-0000005" / "drafter" / "drafter.safetensors")
+    assert checkpoint.keys() == final_weights(run_dir).keys()
+
+
 def test_a_rank_training_alone_is_outside_the_tolerance(one_process, scaleout_config):
     """What a launch without gradient sync trains (each rank its own row: 1 process, grad_accum 1) differs
     from the global batch by far more than WEIGHT_TOLERANCE: the equivalence tests can fail."""
