@@ -58,7 +58,8 @@ def check_drafter_fits_target(drafter_dir: Path, target_path: str) -> dict:
     legacy = "speculators_model_type" not in drafter  # legacy EAGLE-3: a plain Llama config (DESIGN section 6)
     layer = drafter if legacy else drafter.get("transformer_layer_config", {})
     aux = (drafter.get("eagle_config") or {}) if legacy else drafter
-    found = {"target_hidden_size": drafter.get("target_hidden_size", layer.get("hidden_size")),
+    # speculators' own trainer writes "target_hidden_size": null, which vLLM reads as "the drafter's hidden size"
+    found = {"target_hidden_size": drafter.get("target_hidden_size") or layer.get("hidden_size"),
              "transformer_layer_config.vocab_size": layer.get("vocab_size")}
     wanted = {"target_hidden_size": target.hidden_size, "transformer_layer_config.vocab_size": target.vocab_size}
     for key, value in found.items():

@@ -150,6 +150,21 @@ def test_aux_ids_beyond_target_layers_are_refused(tmp_path):
         validate.check_drafter_fits_target(drafter, str(target))
 
 
+def test_null_target_hidden_size_means_the_layer_width(tmp_path):
+    """speculators' trainer writes "target_hidden_size": null; like vLLM, read it as the drafter's hidden size."""
+    target = _tiny_target(tmp_path / "target")
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    config = {"speculators_model_type": "eagle3", "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": [1],
+              "transformer_layer_config": {"model_type": "llama", "hidden_size": 64, "vocab_size": 1000}}
+    (drafter / "config.json").write_text(json.dumps(config))
+    assert validate.check_drafter_fits_target(drafter, str(target))["aux_layer_ids"] == [1]
+    config["transformer_layer_config"]["hidden_size"] = 32
+    (drafter / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="target_hidden_size = 32 but the target has 64"):
+        validate.check_drafter_fits_target(drafter, str(target))
+
+
 # ---- real vLLM servers (slow: 4 server starts, about 6-8 minutes on 2 cores) -------------------------------
 
 
