@@ -36,7 +36,8 @@ DEMO_TEMPLATES = (
 )
 
 
-def _public_functions(module_name: str):
+def public_functions(module_name: str, max_signature_chars: int = 120):
+    """(qualified name, signature, first docstring line) of a stdlib module's documented public functions."""
     module = importlib.import_module(module_name)
     for name in sorted(dir(module)):
         obj = getattr(module, name)
@@ -48,7 +49,7 @@ def _public_functions(module_name: str):
         except (TypeError, ValueError):
             continue
         # a default shown as "<object object at 0x...>" differs between processes: skip it
-        if doc and len(sig) < 120 and " at 0x" not in sig:
+        if doc and len(sig) < max_signature_chars and " at 0x" not in sig:
             yield f"{module_name}.{name}", sig, doc[0].strip()
 
 
@@ -64,7 +65,7 @@ def stdlib_prompt_records() -> list[dict]:
     """One record per (function, template), with a `group` key (the function) for the split."""
     records = []
     for module_name in DEMO_MODULES:
-        for qual, sig, doc in _public_functions(module_name):
+        for qual, sig, doc in public_functions(module_name):
             for template in DEMO_TEMPLATES:
                 text = template.format(qual=qual, sig=sig, doc=doc.replace('"', "'"))
                 records.append({"messages": [{"role": "user", "content": text}], "group": qual})

@@ -1,5 +1,12 @@
-"""Write configs/prompts/code-chat.jsonl: coding requests and tool-use conversations about stdlib functions."""
-import hashlib, inspect, importlib, json, sys
+"""Write configs/prompts/code-chat.jsonl: coding requests and tool-use conversations about stdlib functions.
+
+Usage: python configs/prompts/make_code_chat.py configs/prompts/code-chat.jsonl (deterministic: same file each run)
+"""
+import json
+import sys
+
+from draftsmith.data.prompts import public_functions
+
 MODULES = ["bisect", "collections", "csv", "datetime", "difflib", "functools", "heapq", "itertools", "json",
            "math", "os.path", "pathlib", "re", "shlex", "statistics", "string", "textwrap", "urllib.parse"]
 TEMPLATES = [
@@ -18,18 +25,8 @@ TOOLS = [
 SYSTEM = "You are a coding assistant. Use the tools to check your answers before you reply."
 
 def functions(name):
-    mod = importlib.import_module(name)
-    for attr in sorted(dir(mod)):
-        obj = getattr(mod, attr)
-        if attr.startswith("_") or not callable(obj) or inspect.isclass(obj):
-            continue
-        doc = (inspect.getdoc(obj) or "").strip().splitlines()
-        try:
-            sig = str(inspect.signature(obj))
-        except (TypeError, ValueError):
-            continue
-        if doc and len(sig) < 80 and " at 0x" not in sig:
-            yield f"{name}.{attr}", sig, doc[0].strip().replace('"', "'")
+    for qual, sig, doc in public_functions(name, max_signature_chars=80):
+        yield qual, sig, doc.replace('"', "'")
 
 records = []
 for m in MODULES:
@@ -47,6 +44,5 @@ for m in MODULES:
             {"role": "tool", "content": f"Help on function {qual.split('.')[-1]}:\n\n{qual.split('.')[-1]}{sig}\n    {doc}"},
         ]})
 with open(sys.argv[1], "w") as f:
-    for r in records:
-        f.write(json.dumps(r) + "\n")
+    f.writelines(json.dumps(r) + "\n" for r in records)
 print(len(records), "conversations,", sum("tools" in r for r in records), "with tool calls")
