@@ -19,6 +19,7 @@ import torch
 
 from draftsmith.data.config import RunConfig
 from draftsmith.data.errors import UserError
+from draftsmith.train.precision import pick_mixed_precision
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def build_accelerator(cfg: RunConfig):
         handlers.append(InitProcessGroupKwargs(backend="gloo", timeout=PROCESS_GROUP_TIMEOUT))
     acc = Accelerator(
         cpu=not on_cuda and not deepspeed,  # accelerate refuses DeepSpeed with cpu=True; gloo is named above
-        mixed_precision="bf16" if on_cuda else "no",  # fp32 master weights either way
+        mixed_precision=pick_mixed_precision(cfg.train.precision, on_cuda),  # fp32 master weights either way
         gradient_accumulation_steps=cfg.train.grad_accum,
         step_scheduler_with_optimizer=False,
         kwargs_handlers=handlers,

@@ -279,10 +279,12 @@ class Drafter(nn.Module):
         scale = rope_attention_factor(self.dims.rope_parameters)
         return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
-    def forward_step(self, input_ids, hidden, position_ids, attention: AttentionFn):
+    def forward_step(self, input_ids, hidden, position_ids, attention: AttentionFn, apply_lm_head: bool = True):
         """One draft step: tokens [B, T] + hidden [B, T, H] at RoPE positions [B, T] -> (next_hidden, logits).
 
         next_hidden is norm(h) with norm_output (EAGLE-3.1), else the pre-norm h; logits are [B, T, V_d].
+        With apply_lm_head=False the second output is the lm_head's input norm(h) [B, T, H] instead: training
+        applies the head only at scored positions, fused with its loss (train/loss.py).
         """
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = self.rope_cos_sin(position_ids, hidden.dtype)
@@ -290,8 +292,10 @@ class Drafter(nn.Module):
         for layer in self.layers:
             h = layer(embeds, h, cos, sin, attention)
         normed = self.norm(h)
-        logits = self.lm_head(normed)  # [B, T, V_d]
-        return (normed if self.cfg.norm_output else h), logits
+        next_hidden = normed if self.cfg.norm_output else h
+        if not apply_lm_head:
+            return next_hidden, normed
+        return next_hidden, self.lm_head(normed)  # [B, T, V_d]
 
     # nn.Module hooks (FSDP, DDP, autocast wrappers) run on __call__: drafter(...) is forward_step(...)
     forward = forward_step

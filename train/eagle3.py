@@ -11,7 +11,7 @@ from draftsmith.data.config import RunConfig
 from draftsmith.train.build import build_drafter, drafter_spec, load_checked_dataset, load_teacher_head
 from draftsmith.train.distributed import build_accelerator
 from draftsmith.train.loop import Method, run_training
-from draftsmith.train.loss import teacher_from_final_hidden, ttt_loss
+from draftsmith.train.loss import teacher_targets, ttt_loss
 from draftsmith.train.packing import row_noise
 from draftsmith.train.ttt import pick_attention_impl, shift_for_ttt, ttt_forward, ttt_step_masks
 
@@ -22,13 +22,13 @@ def ttt_row_loss(model, row: dict, teacher_weight, t2d, cfg: RunConfig, attentio
     """Loss and per-step metrics of one packed row (DESIGN section 3); the noise is drawn from the row's seed."""
     ids, final, mask = shift_for_ttt(row["input_ids"], row["final_hidden_states"], row["loss_mask"],
                                      row["document_ids"])
-    teacher_logits, in_vocab = teacher_from_final_hidden(final.float(), teacher_weight, t2d)
-    step_masks = ttt_step_masks(mask & in_vocab, row["document_ids"], cfg.ttt.num_steps)
+    teacher = teacher_targets(final.float(), teacher_weight, t2d, needed=mask)
+    step_masks = ttt_step_masks(mask & teacher.in_vocab, row["document_ids"], cfg.ttt.num_steps)
     aux = row["aux_hidden_states"].float()  # [1, T, n_aux * H_t]
     if model.training and cfg.train.hidden_noise_std > 0:
         aux = aux + cfg.train.hidden_noise_std * row_noise(aux, row["row_seed"])
-    logits = ttt_forward(model, aux, ids, row["position_ids"], row["document_ids"], cfg.ttt.num_steps, attention)
-    return ttt_loss(logits, teacher_logits, step_masks, cfg.ttt.step_weight)
+    states = ttt_forward(model, aux, ids, row["position_ids"], row["document_ids"], cfg.ttt.num_steps, attention)
+    return ttt_loss(model.lm_head.weight, states, teacher, step_masks, cfg.ttt.step_weight)
 
 
 def build_method(cfg: RunConfig, model, hf_cfg, target_path, aux_ids, device) -> Method:

@@ -5,6 +5,8 @@ mask count, not B*T (EAGLE #340).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -44,20 +46,113 @@ def ttt_step_loss(logits, teacher_logits, mask):
     return ce_sum, correct
 
 
-def ttt_loss(step_logits, teacher_logits, step_masks, step_weight: float):
+@dataclass
+class TeacherTargets:
+    """The teacher at the positions a row scores, computed once and shared by every TTT step.
+
+    probs [M, V_d]: softmax of the target logits over the draft vocab; argmax [M]: its draft id; slot [B, T]:
+    the row of probs/argmax for position t (-1 where nothing is scored); in_vocab [B, T]: the target's argmax
+    over its full vocab is a draft token (False where not computed).
+    """
+
+    probs: torch.Tensor
+    argmax: torch.Tensor
+    slot: torch.Tensor
+    in_vocab: torch.Tensor
+
+
+@torch.no_grad()
+def teacher_targets(final_hidden, target_lm_head_weight, t2d, needed, chunk_size: int = 1024) -> TeacherTargets:
+    """The teacher of `teacher_from_final_hidden`, only where `needed` [B, T] holds (the shifted loss mask),
+    as probabilities: the full-vocab product and the softmax run once per row, not once per TTT step."""
+    B, T, H = final_hidden.shape
+    flat_needed = needed.reshape(-1)
+    where = flat_needed.nonzero().squeeze(-1)  # [M]
+    states = final_hidden.reshape(B * T, H)[where]  # [M, H_t]
+    weight = target_lm_head_weight.to(states.dtype)
+    draft_ids = t2d.nonzero().squeeze(-1)  # [V_d]
+    work = torch.promote_types(states.dtype, torch.float32)
+    probs = torch.empty(where.numel(), draft_ids.numel(), dtype=work, device=states.device)
+    argmax = torch.empty(where.numel(), dtype=torch.long, device=states.device)
+    in_vocab = torch.zeros(B * T, dtype=torch.bool, device=states.device)
+    for a in range(0, where.numel(), chunk_size):
+        logits = states[a : a + chunk_size] @ weight.T  # [C, V_t]
+        in_vocab[where[a : a + chunk_size]] = t2d[logits.argmax(dim=-1)]
+        draft_logits = logits[:, draft_ids].to(work)  # [C, V_d]
+        argmax[a : a + chunk_size] = draft_logits.argmax(dim=-1)
+        probs[a : a + chunk_size] = torch.softmax(draft_logits, dim=-1)
+    slot = torch.full((B * T,), -1, dtype=torch.long, device=states.device)
+    slot[where] = torch.arange(where.numel(), device=states.device)
+    return TeacherTargets(probs, argmax, slot.view(B, T), in_vocab.view(B, T))
+
+
+class HeadSoftCrossEntropy(torch.autograd.Function):
+    """sum_i CE(p_i, softmax(x_i W^T)) and the top-1 hits, with [n, V] logits only chunk_size rows at a time.
+
+    The gradient is taken in forward, chunk by chunk (dCE/dlogits = softmax - p, as each p sums to 1): no
+    logits are kept for backward and no log_softmax backward runs; backward scales the stored dx, dW.
+    x [n, H], weight [V, H], teacher_probs [M, V] with rows [n] picking each x_i's teacher, teacher_argmax [M].
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, teacher_probs, rows, teacher_argmax, chunk_size: int, need_grad: bool):
+        work = torch.promote_types(x.dtype, torch.float32)
+        ce_sum = torch.zeros((), dtype=work, device=x.device)
+        hits = torch.zeros((), dtype=torch.long, device=x.device)
+        grad_x = torch.empty_like(x) if need_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=work, device=x.device) if need_grad else None
+        for a in range(0, x.shape[0], chunk_size):
+            xc, rc = x[a : a + chunk_size], rows[a : a + chunk_size]
+            z = (xc @ weight.T).to(work)  # [C, V]
+            p = teacher_probs[rc].to(work)  # [C, V]
+            p_dot_z = torch.einsum("cv,cv->c", p, z)
+            hits += (z.argmax(dim=-1) == teacher_argmax[rc]).sum()
+            # one exp pass gives both logsumexp and softmax; z's storage is reused for exp(z - max), then dz
+            z_max = z.amax(dim=-1)
+            exp_sum = z.sub_(z_max[:, None]).exp_().sum(dim=-1)
+            ce_sum += (z_max + exp_sum.log() - p_dot_z).sum()
+            if need_grad:
+                dz = z.div_(exp_sum[:, None]).sub_(p)  # softmax - p
+                grad_x[a : a + chunk_size] = dz.to(x.dtype) @ weight
+                if torch.is_autocast_enabled(x.device.type):
+                    grad_w += dz.T @ xc  # the product in autocast's dtype, like the forward's
+                else:
+                    grad_w.addmm_(dz.T, xc.to(work))
+        ctx.mark_non_differentiable(hits)
+        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(grad_x, grad_w)
+        return ce_sum, hits
+
+    @staticmethod
+    def backward(ctx, grad_ce, _grad_hits):
+        grad_x, grad_w = ctx.saved_tensors
+        if grad_x is None:
+            raise RuntimeError("HeadSoftCrossEntropy was called with need_grad=False and then differentiated")
+        return ((grad_ce * grad_x).to(grad_x.dtype), (grad_ce * grad_w).to(ctx.weight_dtype),
+                None, None, None, None, None)
+
+
+def head_soft_cross_entropy(x, weight, teacher: TeacherTargets, rows, chunk_size: int = 1024):
+    """(CE sum, top-1 hits) of the draft head on x [n, H] against teacher rows `rows` [n]."""
+    need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return HeadSoftCrossEntropy.apply(x, weight, teacher.probs, rows, teacher.argmax, chunk_size, need_grad)
+
+
+def ttt_loss(head_weight, step_states, teacher: TeacherTargets, step_masks, step_weight: float,
+             chunk_size: int = 1024):
     """Weighted TTT loss sum_j step_weight**j * CE_j, and per-step metrics as tensors (no host sync).
 
-    step_logits: J x [B, T, V_d] from ttt_forward; teacher_logits [B, T, V_d] from the shifted final hidden;
-    step_masks [J, B, T] from ttt_step_masks (shifted loss mask AND in-vocab AND same document).
-    Step j at t is scored against the teacher at t+j. Metrics: loss, acc, correct, count, each [J].
+    head_weight: the draft lm_head [V_d, H]; step_states: J x [B, T, H] from ttt_forward; teacher from
+    teacher_targets over the shifted final hidden; step_masks [J, B, T] from ttt_step_masks (shifted loss mask
+    AND in-vocab AND same document). Step j at t is scored against the teacher at t+j, and the head runs only at
+    scored positions. Metrics: loss, acc, correct, count, each [J].
     """
-    T = teacher_logits.shape[1]
     losses, correct, counts = [], [], []
-    for j, logits in enumerate(step_logits):
-        n = max(T - j, 0)
-        mask = step_masks[j, :, :n]
-        ce_sum, hits = ttt_step_loss(logits[:, :n], teacher_logits[:, j : j + n], mask)
-        count = mask.sum()
+    for j, states in enumerate(step_states):
+        b, t = step_masks[j].nonzero(as_tuple=True)  # a step-j mask holds only where t + j < T
+        ce_sum, hits = head_soft_cross_entropy(states[b, t], head_weight, teacher, teacher.slot[b, t + j],
+                                               chunk_size)
+        count = torch.tensor(b.numel(), device=ce_sum.device)
         losses.append(ce_sum / count.clamp(min=1))
         correct.append(hits)
         counts.append(count)

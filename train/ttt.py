@@ -50,18 +50,21 @@ def shift_tokens(input_ids: torch.Tensor, j: int) -> torch.Tensor:
 
 def ttt_forward(drafter, aux_hidden, input_ids, position_ids, document_ids, num_steps: int,
                 attention_impl: str = "blockwise", chunk_size: int = 512) -> list[torch.Tensor]:
-    """Unroll J draft steps over already-shifted inputs; returns the per-step logits, J x [B, T, V_d].
+    """Unroll J draft steps over already-shifted inputs; returns each step's lm_head input, J x [B, T, H].
 
     Step j reads tokens shifted j more, the draft's own hidden output of step j-1 (h^0 = fc(F)) at the same
-    position, and rotates its queries and new keys at position t+j (step-0 keys keep t).
+    position, and rotates its queries and new keys at position t+j (step-0 keys keep t). The draft lm_head is
+    left to the loss, which applies it only where a step is scored (`drafter.lm_head(states[j])` gives the
+    step's logits [B, T, V_d]).
     """
     attention = TTTAttention(document_ids, attention_impl, chunk_size)
     hidden = drafter.combine_aux_hidden_states(aux_hidden)  # [B, T, H]
-    step_logits = []
+    step_states = []
     for j in range(num_steps):
-        hidden, logits = drafter(shift_tokens(input_ids, j), hidden, position_ids + j, attention)
-        step_logits.append(logits)
-    return step_logits
+        hidden, head_input = drafter(shift_tokens(input_ids, j), hidden, position_ids + j, attention,
+                                     apply_lm_head=False)
+        step_states.append(head_input)
+    return step_states
 
 
 def pick_attention_impl(setting: str, device: torch.device) -> str:

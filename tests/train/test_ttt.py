@@ -9,7 +9,13 @@ from transformers import LlamaConfig
 
 from draftsmith.data.config import DrafterConfig
 from draftsmith.train.drafter import Drafter, drafter_dims
-from draftsmith.train.loss import simulated_acceptance_length, teacher_from_final_hidden, ttt_loss
+from draftsmith.train.loss import (
+    simulated_acceptance_length,
+    teacher_from_final_hidden,
+    teacher_targets,
+    ttt_loss,
+    ttt_step_loss,
+)
 from draftsmith.train.ttt import (
     TTTAttention,
     blockwise_ttt_attention,
@@ -173,15 +179,17 @@ def reference_loss(step_logits, batch, step_weight):
 # ---- the optimised path -----------------------------------------------------------------------------------
 
 
-def run_pipeline(drafter, batch, impl="blockwise", chunk_size=4, num_steps=J):
+def run_pipeline(drafter, batch, impl="blockwise", chunk_size=4, num_steps=J, head_chunk_size=3):
+    """The trainer's path; returns each step's logits (the head applied everywhere, for comparison) and the loss."""
     ids, final_hidden, loss_mask = shift_for_ttt(batch["input_ids"], batch["final_hidden"], batch["loss_mask"],
                                                  batch["document_ids"])
-    teacher, in_vocab = teacher_from_final_hidden(final_hidden, batch["lm_head"], batch["t2d"], chunk_size=7)
-    masks = ttt_step_masks(loss_mask & in_vocab, batch["document_ids"], num_steps)
     aux = batch["aux"].to(drafter.fc.weight.dtype)
-    logits = ttt_forward(drafter, aux, ids, batch["position_ids"], batch["document_ids"], num_steps, impl,
+    teacher = teacher_targets(final_hidden.to(aux.dtype), batch["lm_head"], batch["t2d"], loss_mask, chunk_size=7)
+    masks = ttt_step_masks(loss_mask & teacher.in_vocab, batch["document_ids"], num_steps)
+    states = ttt_forward(drafter, aux, ids, batch["position_ids"], batch["document_ids"], num_steps, impl,
                          chunk_size=chunk_size)
-    return logits, ttt_loss(logits, teacher.to(aux.dtype), masks, 0.8)
+    loss = ttt_loss(drafter.lm_head.weight, states, teacher, masks, 0.8, chunk_size=head_chunk_size)
+    return [drafter.lm_head(s) for s in states], loss
 
 
 def float64_params(drafter):
@@ -297,12 +305,15 @@ def test_shift_for_ttt_on_literals():
 
 
 def test_loss_on_literals():
-    # T=2, one row; only t=0 is scored at both steps, so each step's loss is one CE (divided by 1, not B*T=2)
-    teacher = torch.tensor([[[0.0, math.log(3.0)], [5.0, 0.0]]])  # t=0: p=[1/4, 3/4]; t=1: p=softmax([5, 0])
+    # T=2, one row; only t=0 is scored at both steps, so each step's loss is one CE (divided by 1, not B*T=2).
+    # Identity heads (target and draft, V = V_d = H = 2) make the hidden states the logits.
+    eye, t2d = torch.eye(2), torch.tensor([True, True])
+    final = torch.tensor([[[0.0, math.log(3.0)], [5.0, 0.0]]])  # t=0: p=[1/4, 3/4]; t=1: p=softmax([5, 0])
+    teacher = teacher_targets(final, eye, t2d, torch.tensor([[True, True]]))
     step0 = torch.tensor([[[0.0, math.log(3.0)], [9.0, 9.0]]])  # t=0 equals the teacher: CE = entropy
     step1 = torch.tensor([[[1.0, 0.0], [9.0, 9.0]]])  # t=0 scored against the teacher at t=1
     masks = torch.tensor([[[True, False]], [[True, False]]])
-    loss, metrics = ttt_loss([step0, step1], teacher, masks, 0.8)
+    loss, metrics = ttt_loss(eye, [step0, step1], teacher, masks, 0.8)
     entropy = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
     p1 = [math.exp(5) / (math.exp(5) + 1), 1 / (math.exp(5) + 1)]
     q1 = [math.e / (math.e + 1), 1 / (math.e + 1)]

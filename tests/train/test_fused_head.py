@@ -1,0 +1,115 @@
+"""The fused draft head + loss (train/loss.py) against the dense step it replaced: logits [T, V_d] for every
+position and step, log_softmax, soft CE, masked sum. Same loss, metrics and gradients; less memory."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.train.loss import (
+    HeadSoftCrossEntropy,
+    teacher_from_final_hidden,
+    teacher_targets,
+    ttt_loss,
+    ttt_step_loss,
+)
+
+B, T, H, H_T, V_T, V_D, J = 2, 96, 32, 24, 300, 120, 3
+
+
+def random_case(seed: int = 0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    final = torch.randn(B, T, H_T, generator=g, dtype=dtype)
+    target_head = torch.randn(V_T, H_T, generator=g, dtype=dtype) * 0.5
+    t2d = torch.zeros(V_T, dtype=torch.bool)
+    t2d[torch.randperm(V_T, generator=g)[:V_D]] = True
+    loss_mask = torch.rand(B, T, generator=g) < 0.7
+    head = (torch.randn(V_D, H, generator=g, dtype=dtype) * 0.3).requires_grad_(True)
+    states = [(torch.randn(B, T, H, generator=g, dtype=dtype)).requires_grad_(True) for _ in range(J)]
+    return final, target_head, t2d, loss_mask, head, states
+
+
+def step_masks_of(loss_mask):
+    """Step j at t scored iff the mask holds at t+j (one document per row)."""
+    masks = torch.zeros(J, B, T, dtype=torch.bool)
+    for j in range(J):
+        masks[j, :, : T - j] = loss_mask[:, j:]
+    return masks
+
+
+def dense_ttt_loss(head, states, teacher_logits, step_masks, step_weight):
+    """The step before the fused head: full [B, T, V_d] logits per step, then ttt_step_loss."""
+    total, correct, counts = 0.0, [], []
+    for j, s in enumerate(states):
+        n = T - j
+        logits = s @ head.T  # [B, T, V_d]
+        mask = step_masks[j, :, :n]
+        ce_sum, hits = ttt_step_loss(logits[:, :n], teacher_logits[:, j: j + n], mask)
+        total = total + step_weight**j * ce_sum / mask.sum().clamp(min=1)
+        correct.append(hits)
+        counts.append(mask.sum())
+    return total, torch.stack(correct), torch.stack(counts)
+
+
+@pytest.mark.parametrize("chunk_size", [7, 64, 4096])
+def test_fused_loss_and_gradients_equal_the_dense_step(chunk_size):
+    final, target_head, t2d, loss_mask, head, states = random_case()
+    teacher_logits, in_vocab = teacher_from_final_hidden(final, target_head, t2d)
+    masks = step_masks_of(loss_mask & in_vocab)
+    want, want_correct, want_count = dense_ttt_loss(head, states, teacher_logits, masks, 0.8)
+    want_grads = torch.autograd.grad(want, [head, *states])
+
+    teacher = teacher_targets(final, target_head, t2d, loss_mask, chunk_size=chunk_size)
+    assert teacher.in_vocab.tolist() == (in_vocab & loss_mask).tolist()
+    got, metrics = ttt_loss(head, states, teacher, masks, 0.8, chunk_size=chunk_size)
+    got_grads = torch.autograd.grad(got, [head, *states])
+
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert metrics["correct"].tolist() == want_correct.tolist()
+    assert metrics["count"].tolist() == want_count.tolist()
+    assert min(want_count.tolist()) > 0 and 0 < sum(want_correct.tolist())
+    for name, g, w in zip(["head"] + [f"states[{j}]" for j in range(J)], got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_teacher_targets_equal_the_dense_teacher():
+    final, target_head, t2d, loss_mask, *_ = random_case(seed=3, dtype=torch.float64)
+    teacher_logits, in_vocab = teacher_from_final_hidden(final, target_head, t2d)
+    teacher = teacher_targets(final, target_head, t2d, loss_mask, chunk_size=5)
+    b, t = loss_mask.nonzero(as_tuple=True)
+    rows = teacher.slot[b, t]
+    assert (rows >= 0).all() and (teacher.slot[~loss_mask] == -1).all()
+    torch.testing.assert_close(teacher.probs[rows], torch.softmax(teacher_logits[b, t], dim=-1), rtol=1e-12, atol=1e-12)
+    assert teacher.argmax[rows].tolist() == teacher_logits[b, t].argmax(-1).tolist()
+    assert teacher.in_vocab[b, t].tolist() == in_vocab[b, t].tolist()
+
+
+def test_no_logits_are_kept_for_backward():
+    """What autograd keeps from the head + loss is O(n H + V H): the gradients, never an [n, V] tensor."""
+    final, target_head, t2d, loss_mask, head, states = random_case(seed=1)
+    teacher = teacher_targets(final, target_head, t2d, loss_mask)
+    kept = []
+
+    def pack(t):
+        kept.append(t.numel())
+        return t
+
+    masks = step_masks_of(loss_mask & teacher.in_vocab)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ttt_loss(head, states, teacher, masks, 0.8, chunk_size=16)
+    n = int(masks.sum())
+    assert kept, "the loss must keep its gradients for backward"
+    assert max(kept) <= max(B * T * H, V_D * H), f"a tensor of {max(kept)} elements was kept ({n} scored x {V_D})"
+
+
+def test_without_grad_the_gradient_is_not_computed():
+    final, target_head, t2d, loss_mask, head, states = random_case(seed=2)
+    teacher = teacher_targets(final, target_head, t2d, loss_mask)
+    masks = step_masks_of(loss_mask & teacher.in_vocab)
+    with torch.no_grad():
+        loss, metrics = ttt_loss(head, states, teacher, masks, 0.8)
+    with_grad, _ = ttt_loss(head, states, teacher, masks, 0.8)
+    torch.testing.assert_close(loss, with_grad.detach(), rtol=1e-6, atol=1e-6)
+    x, rows = states[0][0, :4].detach(), teacher.slot[0, :4].clamp(min=0)
+    ce, _ = HeadSoftCrossEntropy.apply(x.requires_grad_(True), head, teacher.probs, rows, teacher.argmax, 8, False)
+    with pytest.raises(RuntimeError, match="need_grad=False"):
+        ce.backward()

@@ -1,0 +1,58 @@
+"""train.precision: the CPU probe's decision, and a bf16-autocast step against the fp32 step."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from draftsmith.train.loss import teacher_targets, ttt_loss
+from draftsmith.train.precision import MIN_CPU_BF16_SPEEDUP, cpu_bf16_speedup, pick_mixed_precision
+
+
+def fail_if_probed():
+    raise AssertionError("the probe must not run when the setting or the device decides")
+
+
+@pytest.mark.parametrize("setting, on_cuda, speedup, want", [
+    ("fp32", True, fail_if_probed, "no"),
+    ("bf16", False, fail_if_probed, "bf16"),
+    ("auto", True, fail_if_probed, "bf16"),
+    ("auto", False, lambda: 6.0, "bf16"),  # AMX
+    ("auto", False, lambda: MIN_CPU_BF16_SPEEDUP - 0.01, "no"),
+    ("auto", False, lambda: 0.005, "no"),  # emulated bf16 (AVX2)
+])
+def test_pick_mixed_precision(setting, on_cuda, speedup, want):
+    assert pick_mixed_precision(setting, on_cuda, speedup) == want
+
+
+def test_the_probe_measures_this_cpu():
+    speedup = cpu_bf16_speedup()
+    assert math.isfinite(speedup) and speedup > 0
+
+
+def test_bf16_autocast_step_is_the_fp32_step_within_bf16_precision():
+    g = torch.Generator().manual_seed(0)
+    B, T, H, V_T, V_D = 1, 64, 32, 80, 48
+    final = torch.randn(B, T, H, generator=g)
+    target_head = torch.randn(V_T, H, generator=g) * 0.3
+    t2d = torch.zeros(V_T, dtype=torch.bool)
+    t2d[:V_D] = True
+    head = (torch.randn(V_D, H, generator=g) * 0.3).requires_grad_(True)
+    states = torch.randn(B, T, H, generator=g).requires_grad_(True)
+    mask = torch.ones(B, T, dtype=torch.bool)
+
+    def step():
+        teacher = teacher_targets(final, target_head, t2d, mask)
+        masks = (mask & teacher.in_vocab)[None]
+        loss, _ = ttt_loss(head, [states @ torch.eye(H)], teacher, masks, 0.8)
+        return (loss, *torch.autograd.grad(loss, [head, states]))
+
+    fp32 = step()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = step()
+    torch.testing.assert_close(bf16[0], fp32[0], rtol=2e-2, atol=0)
+    for got, want in zip(bf16[1:], fp32[1:]):
+        cosine = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+        assert cosine > 0.99, f"bf16 gradient direction off: cosine {cosine:.4f}"
+        assert not torch.equal(got, want), "autocast did not change the precision"

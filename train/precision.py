@@ -1,0 +1,57 @@
+"""Which compute precision a run trains in: train.precision, where `auto` is bf16 autocast on a GPU and, on a
+CPU, bf16 autocast only if a matmul probe at start measures it faster than fp32 (AMX units), else fp32.
+
+Weights stay fp32 either way (autocast casts matmul inputs, not parameters). A CPU without bf16 matmul units
+emulates bf16 at a fraction of fp32's speed, so a flag the user must know would be wrong on half the machines.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# bf16 wins on a CPU only when its matmuls are at least this much faster (AMX measures 3-10x; AVX-512 BF16
+# ~1.5-2x; AVX2 emulates it at ~0.25x). Below it, the lost precision is not worth it.
+MIN_CPU_BF16_SPEEDUP = 1.5
+
+
+def matmul_seconds(dtype: torch.dtype, size: tuple[int, int, int] = (256, 512, 1024), reps: int = 3,
+                   give_up_after: float = float("inf")) -> float:
+    """Best time of `reps` [m, k] x [k, n] products in `dtype` on the CPU, after one warm-up product; a warm-up
+    slower than `give_up_after` seconds is returned as is (emulated bf16 takes ~200x fp32's time)."""
+    m, k, n = size
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(k, n, generator=g).to(dtype)
+    best = float("inf")
+    for i in range(reps + 1):
+        start = time.perf_counter()
+        a @ b
+        elapsed = time.perf_counter() - start
+        if i == 0 and elapsed > give_up_after:
+            return elapsed
+        if i:  # the first product warms up the kernel
+            best = min(best, elapsed)
+    return best
+
+
+def cpu_bf16_speedup() -> float:
+    """fp32 time / bf16 time of the same matmul on this CPU (well under a second either way)."""
+    fp32 = matmul_seconds(torch.float32)
+    return fp32 / matmul_seconds(torch.bfloat16, give_up_after=20 * fp32)
+
+
+def pick_mixed_precision(setting: str, on_cuda: bool, speedup=cpu_bf16_speedup) -> str:
+    """accelerate's mixed_precision ("bf16" or "no") for train.precision `setting` (auto | bf16 | fp32)."""
+    if setting == "fp32":
+        return "no"
+    if setting == "bf16" or on_cuda:
+        return "bf16"
+    measured = speedup()
+    choice = "bf16" if measured >= MIN_CPU_BF16_SPEEDUP else "no"
+    logger.info("train.precision auto: a bf16 matmul runs %.2fx fp32's speed on this CPU -> %s", measured,
+                "bf16 autocast" if choice == "bf16" else f"fp32 (bf16 needs >= {MIN_CPU_BF16_SPEEDUP}x)")
+    return choice
