@@ -182,6 +182,15 @@ class TrainConfig:
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW on every weight; muon: Muon on the hidden matrices (fc, attention, MLP) and AdamW (lr,
+    weight_decay, betas) on the rest (lm_head, norms), as speculators' trainer offers. Muon needs the full
+    matrices: one process or DDP, not FSDP2/ZeRO."""
+    muon_lr: float = 0.0
+    """Muon's peak lr; 0 = train.lr (Muon's update is scaled to AdamW's RMS, 0.2 sqrt(max side), so one lr
+    suits both, as speculators does); same schedule as lr."""
+    muon_weight_decay: float = 0.1
+    """Muon's decoupled weight decay."""
     grad_clip: float = 0.5
     """Max global grad norm (0 = off)."""
     batch_tokens: int = 4096
@@ -208,6 +217,14 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """Matmul precision (weights stay fp32): auto = bf16 autocast on a GPU, and on a CPU only where a probe at
     start measures bf16 matmuls >= 1.5x faster than fp32 (AMX); bf16 / fp32 force it."""
+
+    def __post_init__(self):
+        for name in ("lr", "max_steps", "batch_tokens", "grad_accum"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("muon_lr", "muon_weight_decay", "weight_decay", "hidden_noise_std", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -37,6 +37,9 @@ def build_accelerator(cfg: RunConfig):
     on_cuda = torch.cuda.is_available()
     deepspeed = env_flag("ACCELERATE_USE_DEEPSPEED")
     launched = int(os.environ.get("LOCAL_RANK", "-1")) != -1
+    if cfg.train.optimizer == "muon" and (deepspeed or env_flag("ACCELERATE_USE_FSDP")):
+        raise UserError("train.optimizer=muon orthogonalizes whole matrices, which FSDP2 and ZeRO shard; "
+                        "launch with DDP (configs/accelerate/ddp.yaml) or set train.optimizer=adamw")
     if deepspeed:
         os.environ["ACCELERATE_USE_CPU"] = "false"  # a CPU flag in the environment would switch DeepSpeed off
     handlers = []

@@ -25,6 +25,7 @@ from draftsmith.train.checkpoint import (
 from draftsmith.train.distributed import after_prepare, full_state_dict, sum_over_processes
 from draftsmith.train.loss import simulated_acceptance_length
 from draftsmith.train.metrics_log import MetricsLog
+from draftsmith.train.muon import MuonWithAdamW
 from draftsmith.train.objective import DrafterObjective, RowLoss
 from draftsmith.train.packing import DataPosition, pack_planned_row, plan_eval_rows, plan_next_row
 
@@ -41,8 +42,12 @@ class Method:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "muon":
+        opt = MuonWithAdamW(model, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr or cfg.lr,
+                            muon_weight_decay=cfg.muon_weight_decay)
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
     def lr_factor(step: int) -> float:
         if step < cfg.warmup_steps:

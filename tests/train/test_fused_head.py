@@ -106,7 +106,7 @@ def test_without_grad_the_gradient_is_not_computed():
     teacher = teacher_targets(final, target_head, t2d, loss_mask)
     masks = step_masks_of(loss_mask & teacher.in_vocab)
     with torch.no_grad():
-        loss, metrics = ttt_loss(head, states, teacher, masks, 0.8)
+        loss, _ = ttt_loss(head, states, teacher, masks, 0.8)
     with_grad, _ = ttt_loss(head, states, teacher, masks, 0.8)
     torch.testing.assert_close(loss, with_grad.detach(), rtol=1e-6, atol=1e-6)
     x, rows = states[0][0, :4].detach(), teacher.slot[0, :4].clamp(min=0)

@@ -14,7 +14,6 @@ from draftsmith.train.loss import (
     teacher_from_final_hidden,
     teacher_targets,
     ttt_loss,
-    ttt_step_loss,
 )
 from draftsmith.train.ttt import (
     TTTAttention,

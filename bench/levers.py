@@ -1,0 +1,88 @@
+"""Quality levers of the EAGLE-3 recipe at equal data and budget (issue #12, item 3), scored on held-out data.
+
+Usage: .venv/bin/python bench/levers.py [--budget 120000] [--only base muon ...]
+Every variant trains the anchor recipe of bench/vs_speculators.py (1 layer, 3 TTT steps, draft vocab 32000,
+2048-token rows, lr 2e-3, 8 warm-up steps, SmolLM2 target) on the same dataset (the first anchor conversations
+for the budget, built once by data/build.py) for the same number of steps, changing one thing; the figure is the
+held-out simulated acceptance length at K=3 from the trainer's final evaluation on the whole held-out split (the
+training-family conversations; the served comparison on another family is bench/vs_speculators.py's job).
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import speculators_side
+import vs_speculators
+
+VARIANTS = {
+    "base": [],
+    "step_weight=1.0": ["ttt.step_weight=1.0"],
+    "speculators norms": ["drafter.norm_before_fc=true", "drafter.norm_output=true",
+                          "drafter.norm_before_residual=true"],
+    "EAGLE-3.1 norms": ["drafter.fc_norm=true", "drafter.norm_output=true"],
+    "muon": ["train.optimizer=muon"],  # muon_lr = lr, as speculators sets it
+    "lr=5e-3": ["train.lr=5e-3"],
+    "hidden noise 0.05": ["train.hidden_noise_std=0.05"],
+}
+
+
+def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: str, extra: list[str]) -> dict:
+    run = out / "levers" / name.replace(" ", "_").replace("=", "")
+    overrides = vs_speculators.draftsmith_overrides(run, conversations, steps) + [
+        f"data.dataset_dir={out / 'dataset'}", f"train.seed={seed}", *extra]
+    if run.exists():
+        import shutil
+
+        shutil.rmtree(run)
+    seconds = vs_speculators.run_stage("train/eagle3.py", overrides, run.with_suffix(".log"))
+    result = json.loads((run / "train" / "eval_heldout.json").read_text())
+    rate = vs_speculators.training_rate(run / "train" / "metrics.jsonl")
+    return {"name": name, "overrides": extra, "seconds": seconds, "tokens_per_s": rate["tokens_per_s"],
+            "final_loss": rate["losses"][-1], "eval": result}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget", type=int, default=120_000, help="trained tokens per variant")
+    p.add_argument("--only", nargs="+", choices=sorted(VARIANTS), help="variants to run (default all)")
+    p.add_argument("--combine", nargs="+", default=[], help="also run these variants' overrides together")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    rows = speculators_side.read_anchor_conversations()
+    rows = rows[: speculators_side.num_conversations_for(a.budget, rows)]
+    out = vs_speculators.work_dir() / f"draftsmith-first{len(rows)}"
+    conversations = vs_speculators.anchor_jsonl(rows, out / "conversations.jsonl")
+    if not (out / "dataset" / "manifest.json").is_file():
+        base = vs_speculators.draftsmith_overrides(out, conversations, 1)
+        seconds = vs_speculators.run_stage("data/build.py", base, out / "build.log")
+        (out / "build-time.json").write_text(json.dumps({"seconds": seconds}))
+    steps, tokens = vs_speculators.steps_for_budget(out / "dataset", a.budget, a.seed)
+    print(f"$ .venv/bin/python bench/levers.py --budget {a.budget}; {len(rows)} anchor conversations, {steps} steps "
+          f"= {tokens} trained tokens per variant, seed {a.seed}", flush=True)
+    plan = [(n, VARIANTS[n]) for n in (a.only or VARIANTS)]
+    if a.combine:
+        plan.append((" + ".join(a.combine), [o for n in a.combine for o in VARIANTS[n]]))
+    results = []
+    for name, extra in plan:
+        t0 = time.time()
+        r = train_variant(out, conversations, steps, a.seed, name, extra)
+        results.append(r)
+        acc = r["eval"]["per_step_accuracy"]
+        print(f"  {name:28} sim AL K=3 {r['eval']['simulated_acceptance_length']['3']:.3f}  acc "
+              f"{' / '.join(f'{x:.3f}' for x in acc)}  final loss {r['final_loss']:.3f}  "
+              f"{r['tokens_per_s']:.0f} tok/s  ({time.time() - t0:.0f} s)", flush=True)
+    base = next((r for r in results if r["name"] == "base"), None)
+    if base:
+        b = base["eval"]["simulated_acceptance_length"]["3"]
+        print("relative to base: " + ", ".join(
+            f"{r['name']} {r['eval']['simulated_acceptance_length']['3'] / b:.3f}x" for r in results))
+    (out / f"levers-{a.budget}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
