@@ -48,18 +48,31 @@ def prompt_key(record: dict) -> str:
 
 
 def _load_done(out_path: Path, records: list[dict]) -> dict[int, dict]:
-    """Finished responses whose prompt still matches the record at that index (a changed prompt set regenerates)."""
+    """Finished responses whose prompt still matches the record at that index (a changed prompt set regenerates).
+
+    A torn last line (a crash mid-write) is cut off the file, so the next append starts on a line of its own.
+    """
     done = {}
-    if out_path.is_file():
-        with open(out_path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a torn last line from a crash: regenerate from there
-                i = rec["index"]
-                if i < len(records) and rec.get("prompt_key") == prompt_key(records[i]):
-                    done[i] = rec
+    if not out_path.is_file():
+        return done
+    data = out_path.read_bytes()
+    good_end = 0  # bytes of whole, parsable lines
+    for line in data.splitlines(keepends=True):
+        try:
+            if not line.endswith(b"\n"):
+                raise ValueError("no newline")
+            rec = json.loads(line)
+        except ValueError:  # JSONDecodeError included
+            break
+        good_end += len(line)
+        i = rec["index"]
+        if i < len(records) and rec.get("prompt_key") == prompt_key(records[i]):
+            done[i] = rec
+    if good_end < len(data):
+        logger.warning("%s: dropping a torn line after %d complete responses (a crash mid-write); "
+                       "regenerating from there", out_path, len(done))
+        with open(out_path, "r+b") as f:
+            f.truncate(good_end)
     return done
 
 

@@ -40,6 +40,16 @@ def test_regeneration_resumes_by_prompt_and_refuses_changed_parameters(tmp_path)
                                 path, identity, "float32", cfg, out, 256)
     assert more[:2] == first and len(out.read_text().splitlines()) == 3
 
+    # a crash mid-write tears the last line: the fragment is cut off and its prompt regenerated, and the
+    # appended line starts on a line of its own, so every later resume reads all three
+    text = out.read_text()
+    out.write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])
+    torn = regenerate_responses(_records("Add two numbers in Python.", "What is a tuple?", "Sort a list."), tok,
+                                path, identity, "float32", cfg, out, 256)
+    assert torn == more and [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 1, 2]
+    assert regenerate_responses(_records("Add two numbers in Python.", "What is a tuple?", "Sort a list."), tok,
+                                str(tmp_path / "no-such-folder"), identity, "float32", cfg, out, 256) == more
+
     with pytest.raises(UserError, match="regenerated.jsonl was generated with"):
         regenerate_responses(_records("What is a tuple?"), tok, path, identity, "float32",
                              RegenerateConfig(backend="transformers", max_new_tokens=8), out, 256)
