@@ -39,6 +39,7 @@ def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: s
         import shutil
 
         shutil.rmtree(run)
+    run.parent.mkdir(parents=True, exist_ok=True)
     seconds = vs_speculators.run_stage("train/eagle3.py", overrides, run.with_suffix(".log"))
     result = json.loads((run / "train" / "eval_heldout.json").read_text())
     rate = vs_speculators.training_rate(run / "train" / "metrics.jsonl")
