@@ -32,14 +32,9 @@ VARIANTS = {
 
 
 def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: str, extra: list[str]) -> dict:
-    run = out / "levers" / name.replace(" ", "_").replace("=", "")
+    run = vs_speculators.fresh_dir(out / "levers" / name.replace(" ", "_").replace("=", ""))
     overrides = vs_speculators.draftsmith_overrides(run, conversations, steps) + [
         f"data.dataset_dir={out / 'dataset'}", f"train.seed={seed}", *extra]
-    if run.exists():
-        import shutil
-
-        shutil.rmtree(run)
-    run.parent.mkdir(parents=True, exist_ok=True)
     seconds = vs_speculators.run_stage("train/eagle3.py", overrides, run.with_suffix(".log"))
     result = json.loads((run / "train" / "eval_heldout.json").read_text())
     rate = vs_speculators.training_rate(run / "train" / "metrics.jsonl")

@@ -21,6 +21,7 @@ import argparse
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -83,6 +84,13 @@ def draftsmith_overrides(out: Path, conversations: Path, max_steps: int) -> list
             "train.save_every=1000000", "train.eval_max_samples=0", f"export.num_speculative_tokens=[{SERVE_K}]"]
 
 
+def fresh_dir(path: Path) -> Path:
+    """`path` emptied: a training run there starts fresh, never resumes an earlier one."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def run_stage(script: str, overrides: list[str], log: Path, extra: list[str] = ()) -> float:
     cmd = [sys.executable, str(REPO / script), "--config", "smollm2-demo", *extra, *overrides]
     seconds, _ = speculators_side.run_logged(cmd, log, dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -126,11 +134,7 @@ def run_draftsmith_side(rows: list[dict], budget_tokens: int, seed: int) -> dict
         (out / "build-time.json").write_text(json.dumps({"seconds": build_s}))
     steps, planned_tokens = steps_for_budget(out / "dataset", budget_tokens, seed)
     overrides = draftsmith_overrides(out, conversations, steps) + [f"train.seed={seed}"]
-    run_dir = out / "train"
-    if run_dir.exists():
-        import shutil
-
-        shutil.rmtree(run_dir)  # a fresh run, never a resume
+    run_dir = fresh_dir(out / "train")
     load_before = os.getloadavg()[0]
     train_s = run_stage("train/eagle3.py", overrides, out / "train.log")
     load_after = os.getloadavg()[0]
