@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -303,8 +304,8 @@ def _convert(value: Any, tp, key: str, where: str) -> Any:
         if len(value) != len(args):
             raise ConfigError(f"{where}: '{key}' needs {len(args)} values, got {list(value)}")
         return tuple(_convert(v, a, f"{key}[{i}]", where) for i, (v, a) in enumerate(zip(value, args)))
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if tp is float:
+        return _to_float(value, key, where)
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             raise ConfigError(f"{where}: '{key}' must be {tp.__name__}, got {type(value).__name__} {value!r}")
@@ -370,7 +371,7 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         if "=" not in o:
             raise ConfigError(f"override '{o}' must look like section.key=value")
         k, v = o.split("=", 1)
-        val = _fix_yaml_floats(yaml.safe_load(v)) if v != "" else ""
+        val = yaml.safe_load(v) if v != "" else ""
         parsed.append((k.strip(), val))
     return parsed
 
@@ -384,7 +385,6 @@ def load_config(name: str, overrides: list[str] = ()) -> tuple[RunConfig, dict[s
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
-    raw = _fix_yaml_floats(raw)
     sources = {k: "yaml" for k in _leaf_keys(raw)}
     raw.setdefault("name", path.stem)
     for k, v in parse_overrides(list(overrides)):
@@ -396,19 +396,18 @@ def load_config(name: str, overrides: list[str] = ()) -> tuple[RunConfig, dict[s
     return cfg, sources
 
 
-def _fix_yaml_floats(node):
-    # PyYAML (YAML 1.1) reads '3e-4' as a string; a run config never means that as text
-    if isinstance(node, dict):
-        return {k: _fix_yaml_floats(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_fix_yaml_floats(v) for v in node]
-    if isinstance(node, str):
+def _to_float(value: Any, key: str, where: str) -> float:
+    # PyYAML (YAML 1.1) reads '3e-4' as a string: parse strings only where the field is a float, never paths
+    if isinstance(value, str):
         try:
-            if any(c in node for c in "eE") and node[0] in "0123456789.-+":
-                return float(node)
+            value = float(value)
         except ValueError:
-            pass
-    return node
+            raise ConfigError(f"{where}: '{key}' must be float, got str {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: '{key}' must be float, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{where}: '{key}' must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _leaf_keys(d: dict, prefix: str = "") -> list[str]:

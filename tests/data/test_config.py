@@ -41,6 +41,20 @@ def test_cli_overrides_beat_yaml_and_are_checked(tmp_path):
         load_config(path, ["train.lrr=1"])
 
 
+def test_exponent_strings_become_floats_only_in_float_fields(tmp_path):
+    # YAML 1.1 reads 3e-4 as text; a path or a name that looks like a number must stay text
+    path = _write(tmp_path, "output_dir: 1e3\ntrain:\n  lr: 3e-4\ndata:\n  dataset_dir: 2e5-run\n")
+    cfg, _ = load_config(path, ["target.name_or_path=1e-3", "train.muon_lr=5e-3"])
+    assert cfg.output_dir == "1e3" and cfg.data.dataset_dir == "2e5-run" and cfg.target.name_or_path == "1e-3"
+    assert cfg.train.lr == 3e-4 and cfg.train.muon_lr == 5e-3 and isinstance(cfg.train.lr, float)
+    for bad, message in [("train.lr=fast", "'train.lr' must be float, got str 'fast'"),
+                         ("train.lr=1e400", "'train.lr' must be a finite number, got inf"),
+                         ("train.grad_clip=.nan", "'train.grad_clip' must be a finite number, got nan"),
+                         ("train.lr=true", "'train.lr' must be float, got bool True")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(path, [bad])
+
+
 def test_exclusive_norm_flags_are_an_error(tmp_path):
     with pytest.raises(ConfigError, match="fc_norm and drafter.norm_before_fc are exclusive"):
         load_config(_write(tmp_path, "drafter:\n  fc_norm: true\n  norm_before_fc: true\n"))
