@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from draftsmith.data.capture import input_device
+from draftsmith.data.capture import decoder_of, input_device
 from draftsmith.data.cli import build_arg_parser, parse_run_args, run_entry
 from draftsmith.data.errors import UserError
 from draftsmith.data.manifest import read_json
@@ -36,20 +36,33 @@ def check_token_counts(ds_dir, manifest: dict) -> None:
     logger.info("token count OK: %d tokens in %d shards (checksums verified)", total, len(manifest["shards"]))
 
 
+def reference_hidden_states(model, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A fresh forward: (the residual stream after k layers for k = 0..N, the final hidden state after the norm).
+
+    HF's `output_hidden_states[-1]` is already after the final norm, so the stream after all N layers (aux id N,
+    as vLLM takes it) is read at the final norm's input."""
+    taken = {}
+    norm = decoder_of(model).norm
+    handle = norm.register_forward_hook(lambda _m, inputs, output: taken.update(pre=inputs[0], post=output))
+    try:
+        with torch.no_grad():
+            out = model(input_ids, output_hidden_states=True)
+    finally:
+        handle.remove()
+    streams = [state[0].cpu() for state in out.hidden_states[:-1]] + [taken["pre"][0].cpu()]
+    return streams, taken["post"][0].cpu()
+
+
 def check_hidden_states(model, ds: ShardedDataset, aux_ids: list[int], num_samples: int, tol: float) -> float:
-    """Worst relative error over samples and layers; raises past `tol`."""
+    """Worst relative error over samples, aux layers (id N included) and the final state; raises past `tol`."""
     worst = 0.0
     h = model.config.get_text_config().hidden_size
     for i in range(min(num_samples, len(ds))):
         s = ds[i]
-        with torch.no_grad():
-            out = model(s["input_ids"].long()[None].to(input_device(model)), output_hidden_states=True)
-        ref = [state[0].cpu() for state in out.hidden_states]
+        streams, final = reference_hidden_states(model, s["input_ids"].long()[None].to(input_device(model)))
         for j, k in enumerate(aux_ids):
-            # HF's last entry is after the final norm; aux id N is the pre-norm stream, checked via `final`
-            if k < len(ref) - 1:
-                worst = max(worst, relative_error(s["aux_hidden_states"][:, j * h:(j + 1) * h], ref[k]))
-        worst = max(worst, relative_error(s["final_hidden_states"], ref[-1]))
+            worst = max(worst, relative_error(s["aux_hidden_states"][:, j * h:(j + 1) * h], streams[k]))
+        worst = max(worst, relative_error(s["final_hidden_states"], final))
     if worst > tol:
         raise UserError(f"stored hidden states differ from transformers' output_hidden_states: worst relative "
                          f"error {worst:.4f} > {tol}")

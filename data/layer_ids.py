@@ -1,7 +1,9 @@
 """The aux-layer id convention (DESIGN section 2), the one place it is defined.
 
 Aux id k = the residual stream after k decoder layers = HF `output_hidden_states[k]` (0 = embeddings),
-pre-final-norm. vLLM uses the same ids, sorts and de-duplicates them and concatenates in ascending order.
+pre-final-norm. Ids lie in 0..N: N, the stream after the last layer, is what vLLM's target forward takes as
+`idx + 1` after its last layer (`_maybe_add_hidden_state`), so capture, check and validate all accept it.
+vLLM uses the same ids, sorts and de-duplicates them and concatenates in ascending order.
 SGLang/SpecForge write k-1 for the same tensor (`from_sglang_layer_ids`).
 """
 from __future__ import annotations

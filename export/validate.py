@@ -22,6 +22,7 @@ from draftsmith.data.chat import (
 )
 from draftsmith.data.cli import build_arg_parser, git_commit, log_run_header, parse_run_args, run_entry
 from draftsmith.data.errors import UserError
+from draftsmith.data.layer_ids import normalize_aux_layer_ids
 from draftsmith.data.manifest import atomic_write_bytes, atomic_write_json, read_json
 from draftsmith.data.target import load_target_config, load_tokenizer, resolve_target_path
 from draftsmith.export import serve
@@ -67,9 +68,13 @@ def check_drafter_fits_target(drafter_dir: Path, target_path: str) -> dict:
             raise UserError(f"drafter {drafter_dir} does not fit target {target_path}: {key} = {value} but the "
                              f"target has {wanted[key]}; export the drafter for this target or pass --target")
     aux_ids = aux.get("eagle_aux_hidden_state_layer_ids") or []
-    if any(not 0 <= i < target.num_hidden_layers for i in aux_ids):
+    try:
+        if aux_ids:
+            normalize_aux_layer_ids(aux_ids, target.num_hidden_layers)
+    except UserError:
         raise UserError(f"drafter {drafter_dir} does not fit target {target_path}: eagle_aux_hidden_state_layer_ids "
-                         f"= {aux_ids} but the target has {target.num_hidden_layers} layers (ids must be below it)")
+                         f"= {aux_ids} but the target has {target.num_hidden_layers} layers (ids lie in 0..N, "
+                         f"N = the stream after the last layer)") from None
     return {"method": drafter.get("speculators_model_type", "eagle3"), "aux_layer_ids": aux_ids}
 
 

@@ -140,14 +140,27 @@ def test_mismatched_drafter_is_refused_before_any_server(tmp_path, capsys):
 
 
 def test_aux_ids_beyond_target_layers_are_refused(tmp_path):
+    # vLLM takes id N (the stream after the last layer, before the final norm), as data/layer_ids.py does
     target = _tiny_target(tmp_path / "target")
     drafter = tmp_path / "drafter"
     drafter.mkdir()
-    (drafter / "config.json").write_text(json.dumps({
-        "speculators_model_type": "eagle3", "target_hidden_size": 64, "eagle_aux_hidden_state_layer_ids": [1, 2, 4],
-        "transformer_layer_config": {"model_type": "llama", "hidden_size": 64, "vocab_size": 1000}}))
-    with pytest.raises(ValueError, match=r"\[1, 2, 4\] but the target has 4 layers"):
+    config = {"speculators_model_type": "eagle3", "target_hidden_size": 64, "eagle_aux_hidden_state_layer_ids": [1, 2, 4],
+              "transformer_layer_config": {"model_type": "llama", "hidden_size": 64, "vocab_size": 1000}}
+    (drafter / "config.json").write_text(json.dumps(config))
+    assert validate.check_drafter_fits_target(drafter, str(target))["aux_layer_ids"] == [1, 2, 4]
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 5]
+    (drafter / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"\[1, 2, 5\] but the target has 4 layers \(ids lie in 0..N"):
         validate.check_drafter_fits_target(drafter, str(target))
+
+
+def test_server_env_leaves_the_hub_setting_to_the_caller(monkeypatch):
+    from draftsmith.export import serve
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert "HF_HUB_OFFLINE" not in serve.server_env()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert serve.server_env()["HF_HUB_OFFLINE"] == "1"
 
 
 def test_null_target_hidden_size_means_the_layer_width(tmp_path):
