@@ -37,9 +37,11 @@ def tiny_run(tiny_target_dir, tmp_path_factory):
             shutil.copytree(run_dir / "dataset", out / "dataset")
         cfg = {"output_dir": str(out), "target": {"name_or_path": str(tiny_target_dir), "dtype": "float32",
                                                    "aux_layer_ids": [1, 2, 3]},
+               # fp32 pinned: the tests compare runs at fp32 tolerances, and train.precision=auto picks bf16 on
+               # CPUs with bf16 matmul units (tests/train/test_precision.py covers that choice)
                "ttt": {"num_steps": 3}, "train": {"lr": 3e-3, "max_steps": 20, "warmup_steps": 2,
                                                   "batch_tokens": 256, "log_every": 5, "eval_every": 10,
-                                                  "save_every": 10, "seed": 0}}
+                                                  "save_every": 10, "seed": 0, "precision": "fp32"}}
         for section, values in (extra or {}).items():
             cfg.setdefault(section, {}).update(values)
         path = tmp_path / "tiny.yaml"

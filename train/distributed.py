@@ -19,7 +19,7 @@ import torch
 
 from draftsmith.data.config import RunConfig
 from draftsmith.data.errors import UserError
-from draftsmith.train.precision import pick_mixed_precision
+from draftsmith.train.precision import run_mixed_precision
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def env_flag(name: str) -> bool:
 
 
 def build_accelerator(cfg: RunConfig):
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
     from accelerate.utils import InitProcessGroupKwargs, set_seed
 
     on_cuda = torch.cuda.is_available()
@@ -46,9 +46,13 @@ def build_accelerator(cfg: RunConfig):
     if launched and not on_cuda:
         # without a GPU accelerate picks no backend for DeepSpeed and would run every rank as rank 0
         handlers.append(InitProcessGroupKwargs(backend="gloo", timeout=PROCESS_GROUP_TIMEOUT))
+    cpu = not on_cuda and not deepspeed  # accelerate refuses DeepSpeed with cpu=True; gloo is named above
+    # the process group first: the precision is decided once and shared before the Accelerator fixes it
+    state = PartialState(cpu=cpu, **(handlers[0].to_kwargs() if handlers else {}))
+    mixed_precision = run_mixed_precision(cfg.train.precision, on_cuda, cfg.paths.precision_record, state)
     acc = Accelerator(
-        cpu=not on_cuda and not deepspeed,  # accelerate refuses DeepSpeed with cpu=True; gloo is named above
-        mixed_precision=pick_mixed_precision(cfg.train.precision, on_cuda),  # fp32 master weights either way
+        cpu=cpu,
+        mixed_precision=mixed_precision,  # fp32 master weights either way
         gradient_accumulation_steps=cfg.train.grad_accum,
         step_scheduler_with_optimizer=False,
         kwargs_handlers=handlers,

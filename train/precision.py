@@ -3,13 +3,19 @@ CPU, bf16 autocast only if a matmul probe at start measures it faster than fp32 
 
 Weights stay fp32 either way (autocast casts matmul inputs, not parameters). A CPU without bf16 matmul units
 emulates bf16 at a fraction of fp32's speed, so a flag the user must know would be wrong on half the machines.
+The choice is made once per run, on the main process, and shared: every process trains in the same precision,
+and a resumed run keeps the precision it started with (train/precision.json), whatever a new probe would say.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 
 import torch
+
+from draftsmith.data.manifest import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -54,4 +60,23 @@ def pick_mixed_precision(setting: str, on_cuda: bool, speedup=cpu_bf16_speedup) 
     choice = "bf16" if measured >= MIN_CPU_BF16_SPEEDUP else "no"
     logger.info("train.precision auto: a bf16 matmul runs %.2fx fp32's speed on this CPU -> %s", measured,
                 "bf16 autocast" if choice == "bf16" else f"fp32 (bf16 needs >= {MIN_CPU_BF16_SPEEDUP}x)")
+    return choice
+
+
+def run_mixed_precision(setting: str, on_cuda: bool, record: Path, state, speedup=cpu_bf16_speedup) -> str:
+    """The run's mixed precision, the same on every process of `state` (an initialized accelerate PartialState)
+    and across resumes: the main process reads `record` (auto only) or decides, then tells the others."""
+    choice = None
+    if state.is_main_process:
+        if setting == "auto" and record.is_file():
+            choice = json.loads(record.read_text())["mixed_precision"]
+            logger.info("train.precision auto: %s, as this run chose at its start (%s)", choice, record)
+        else:
+            choice = pick_mixed_precision(setting, on_cuda, speedup)
+            record.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(record, {"setting": setting, "mixed_precision": choice})
+    if state.num_processes > 1:
+        box = [choice]
+        torch.distributed.broadcast_object_list(box, src=0)
+        choice = box[0]
     return choice

@@ -2,12 +2,20 @@
 from __future__ import annotations
 
 import math
+import os
+import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from draftsmith.train.loss import teacher_targets, ttt_loss
-from draftsmith.train.precision import MIN_CPU_BF16_SPEEDUP, cpu_bf16_speedup, pick_mixed_precision
+from draftsmith.train.precision import (
+    MIN_CPU_BF16_SPEEDUP,
+    cpu_bf16_speedup,
+    pick_mixed_precision,
+    run_mixed_precision,
+)
 
 
 def fail_if_probed():
@@ -24,6 +32,33 @@ def fail_if_probed():
 ])
 def test_pick_mixed_precision(setting, on_cuda, speedup, want):
     assert pick_mixed_precision(setting, on_cuda, speedup) == want
+
+
+def test_a_run_keeps_the_precision_it_started_with(tmp_path):
+    record, main = tmp_path / "train" / "precision.json", SimpleNamespace(is_main_process=True, num_processes=1)
+    assert run_mixed_precision("auto", False, record, main, lambda: 6.0) == "bf16"
+    # resumed on a CPU (or under a load) where the probe would now say fp32: the numerics stay the run's own
+    assert run_mixed_precision("auto", False, record, main, fail_if_probed) == "bf16"
+    assert run_mixed_precision("fp32", False, record, main) == "no"  # an explicit setting is obeyed...
+    assert run_mixed_precision("auto", False, record, main, fail_if_probed) == "no"  # ...and recorded
+
+
+def _decide_in_process(rank: int, record, port: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    state = SimpleNamespace(is_main_process=rank == 0, num_processes=2)
+    # each process's own probe would disagree; the main process's decision must reach both
+    choice = run_mixed_precision("auto", False, record, state, (lambda: 6.0) if rank == 0 else (lambda: 0.1))
+    (out / f"rank{rank}").write_text(choice)
+    torch.distributed.destroy_process_group()
+
+
+def test_every_process_trains_in_the_main_process_precision(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_decide_in_process, args=(tmp_path / "precision.json", port, tmp_path), nprocs=2)
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["bf16", "bf16"]
 
 
 def test_the_probe_measures_this_cpu():
