@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from draftsmith.data.config import load_config
+from draftsmith.data.run_paths import RunPaths
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,8 +32,8 @@ def run(stage: str, config: str, overrides: list[str]) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
-def eval_history(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "train" / "metrics.jsonl").read_text().splitlines()
+def eval_history(paths: RunPaths) -> list[dict]:
+    lines = paths.metrics.read_text().splitlines()
     return [r for r in map(json.loads, lines) if "eval_sim_al" in r]
 
 
@@ -56,9 +57,9 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides, e.g. peagle.num_depths=4")
     args = p.parse_args()
     cfg, _ = load_config(args.config, args.overrides)  # the overrides may move the dataset too
-    demo_dir, dataset = ROOT / "runs" / args.config, ROOT / cfg.dataset_dir()
+    demo_dir, dataset = ROOT / cfg.paths.run, ROOT / cfg.paths.dataset.dir
     out = Path(args.out) if args.out else ROOT / "runs" / f"{args.config}-steps{args.steps}"
-    if not (dataset / "manifest.json").is_file():
+    if not (ROOT / cfg.paths.dataset.manifest).is_file():
         sys.exit(f"error: {dataset} is not built; run `make demo` first")
     overrides = [f"output_dir={out}", f"data.dataset_dir={dataset}", f"train.max_steps={args.steps}",
                  f"train.eval_every={max(args.steps // 8, 1)}", f"train.save_every={args.steps}",
@@ -67,17 +68,18 @@ def main() -> None:
     run("export/speculators.py", args.config, overrides)
     run("export/validate.py", args.config, [*overrides, "export.ngram_baseline=false"])
 
-    batch_tokens = yaml.safe_load((out / "train" / "config.yaml").read_text())["train"]["batch_tokens"]
+    out_paths = RunPaths.at(out, dataset)
+    batch_tokens = yaml.safe_load(out_paths.train_config_copy.read_text())["train"]["batch_tokens"]
     print(f"\nheld-out simulated acceptance, {args.config} recipe trained for {args.steps} steps "
           f"x {batch_tokens} tokens:")
     print("| step | packed tokens | per-step accuracy | simulated AL by K |")
     print("|---|---|---|---|")
-    for r in eval_history(out):
+    for r in eval_history(out_paths):
         acc = " ".join(f"{a:.3f}" for a in r["eval_acc"])
         al = " ".join(f"K{k}={v:.2f}" for k, v in r["eval_sim_al"].items())
         print(f"| {r['step']} | {r['step'] * batch_tokens} | {acc} | {al} |")
-    print(served_line(f"demo budget ({demo_dir.name})", demo_dir / "validation.json"))
-    print(served_line(f"{args.steps} steps ({out.name})", out / "validation.json"))
+    print(served_line(f"demo budget ({demo_dir.name})", ROOT / cfg.paths.validation_json))
+    print(served_line(f"{args.steps} steps ({out.name})", out_paths.validation_json))
 
 
 if __name__ == "__main__":

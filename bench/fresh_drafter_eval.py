@@ -11,7 +11,7 @@ import json
 import torch
 
 from draftsmith.data.cli import build_arg_parser, parse_run_args, run_entry
-from draftsmith.train.build import build_drafter, load_checked_dataset
+from draftsmith.train.build import build_drafter, build_drafter_spec, load_checked_dataset
 from draftsmith.train.eagle3 import build_method
 from draftsmith.train.loop import accuracy_summary
 from draftsmith.train.packing import pack_planned_row, plan_eval_rows
@@ -20,8 +20,8 @@ from draftsmith.train.packing import pack_planned_row, plan_eval_rows
 def main(argv=None) -> None:
     cfg, _ = parse_run_args(build_arg_parser(__doc__), argv)
     train_ds, heldout_ds, aux_ids, target_path, hf_cfg = load_checked_dataset(cfg)
-    drafter = build_drafter(cfg, hf_cfg, target_path, aux_ids, parallel_drafting=False)
-    method = build_method(cfg, drafter, hf_cfg, target_path, aux_ids, torch.device("cpu"))
+    drafter = build_drafter(cfg, build_drafter_spec(cfg, hf_cfg, target_path, aux_ids, "eagle3"), target_path)
+    method = build_method(cfg, drafter, target_path, torch.device("cpu"))
     plans = plan_eval_rows(heldout_ds, cfg.train.eval_max_samples, cfg.train.batch_tokens)
     drafter.eval()
     correct = count = 0

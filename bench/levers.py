@@ -19,6 +19,8 @@ sys.path.insert(0, str(REPO / "bench"))
 import speculators_side
 import vs_speculators
 
+from draftsmith.data.run_paths import RunPaths
+
 VARIANTS = {
     "base": [],
     "step_weight=1.0": ["ttt.step_weight=1.0"],
@@ -34,10 +36,11 @@ VARIANTS = {
 def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: str, extra: list[str]) -> dict:
     run = vs_speculators.fresh_dir(out / "levers" / name.replace(" ", "_").replace("=", ""))
     overrides = vs_speculators.draftsmith_overrides(run, conversations, steps) + [
-        f"data.dataset_dir={out / 'dataset'}", f"train.seed={seed}", *extra]
+        f"data.dataset_dir={RunPaths.at(out).dataset.dir}", f"train.seed={seed}", *extra]
     seconds = vs_speculators.run_stage("train/eagle3.py", overrides, run.with_suffix(".log"))
-    result = json.loads((run / "train" / "eval_heldout.json").read_text())
-    rate = vs_speculators.training_rate(run / "train" / "metrics.jsonl")
+    paths = RunPaths.at(run)
+    result = json.loads(paths.eval_heldout.read_text())
+    rate = vs_speculators.training_rate(paths.metrics)
     return {"name": name, "overrides": extra, "seconds": seconds, "tokens_per_s": rate["tokens_per_s"],
             "final_loss": rate["losses"][-1], "eval": result}
 
@@ -53,11 +56,11 @@ def main(argv=None) -> None:
     rows = rows[: speculators_side.num_conversations_for(a.budget, rows)]
     out = vs_speculators.work_dir() / f"draftsmith-first{len(rows)}"
     conversations = vs_speculators.anchor_jsonl(rows, out / "conversations.jsonl")
-    if not (out / "dataset" / "manifest.json").is_file():
+    if not RunPaths.at(out).dataset.manifest.is_file():
         base = vs_speculators.draftsmith_overrides(out, conversations, 1)
         seconds = vs_speculators.run_stage("data/build.py", base, out / "build.log")
         (out / "build-time.json").write_text(json.dumps({"seconds": seconds}))
-    steps, tokens = vs_speculators.steps_for_budget(out / "dataset", a.budget, a.seed)
+    steps, tokens = vs_speculators.steps_for_budget(RunPaths.at(out).dataset.dir, a.budget, a.seed)
     print(f"$ .venv/bin/python bench/levers.py --budget {a.budget}; {len(rows)} anchor conversations, {steps} steps "
           f"= {tokens} trained tokens per variant, seed {a.seed}", flush=True)
     plan = [(n, VARIANTS[n]) for n in (a.only or VARIANTS)]

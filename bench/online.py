@@ -21,6 +21,7 @@ from pathlib import Path
 
 from draftsmith.data.disk import bytes_per_token
 from draftsmith.data.layer_ids import default_aux_layer_ids
+from draftsmith.data.run_paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[1]
 # (name, layers, hidden) of the recipes' real targets (tests/fixtures/targets/*/config.json)
@@ -60,10 +61,12 @@ def main():
     run([py, "data/build.py", "--config", "smollm2-quick", f"output_dir={work / 'responses'}", *data,
          "data.capture=online"], env)
     build_s = {}
+    responses = RunPaths.at(work / "responses").dataset.regenerated
     for mode in ("offline", "online"):
-        (work / mode / "dataset").mkdir(parents=True)
-        for f in ("regenerated.jsonl", "regenerated.params.json"):
-            shutil.copy(work / "responses" / "dataset" / f, work / mode / "dataset" / f)
+        dataset = RunPaths.at(work / mode).dataset.dir
+        dataset.mkdir(parents=True)
+        for f in (responses, responses.with_suffix(".params.json")):
+            shutil.copy(f, dataset / f.name)
         build_s[mode], _ = run([py, "data/build.py", "--config", "smollm2-quick", f"output_dir={work / mode}", *data,
                                 f"data.capture={mode}"], env)
 
@@ -74,19 +77,20 @@ def main():
     for r in range(a.repeats):
         for mode in ("offline", "online"):
             out = work / mode / f"train-{r}"
-            seconds, rss = run([py, "train/eagle3.py", "--config", "smollm2-quick", f"output_dir={work / mode}",
-                                f"data.dataset_dir={work / mode / 'dataset'}", *data,
+            paths = RunPaths.at(work / mode)
+            seconds, rss = run([py, "train/eagle3.py", "--config", "smollm2-quick", f"output_dir={paths.run}",
+                                f"data.dataset_dir={paths.dataset.dir}", *data,
                                 *(["data.capture=online"] if mode == "online" else []), *train], env)
-            last = [json.loads(line) for line in (work / mode / "train" / "metrics.jsonl").read_text().splitlines()
+            last = [json.loads(line) for line in paths.metrics.read_text().splitlines()
                     if '"tokens_per_s"' in line][-1]
-            shutil.move(work / mode / "train", out)
+            shutil.move(paths.train, out)
             run_result = {"tokens_per_s": last["tokens_per_s"], "peak_mem_gib": last["peak_mem_gib"],
                           "child_peak_rss_gib": rss, "wall_s": seconds}
             if mode not in best or run_result["tokens_per_s"] > best[mode]["tokens_per_s"]:
                 best[mode] = run_result
 
-    disk = {mode: dataset_bytes(work / mode / "dataset") for mode in ("offline", "online")}
-    manifest = json.loads((work / "offline" / "dataset" / "manifest.json").read_text())
+    disk = {mode: dataset_bytes(RunPaths.at(work / mode).dataset.dir) for mode in ("offline", "online")}
+    manifest = json.loads(RunPaths.at(work / "offline").dataset.manifest.read_text())
     print(f"SmolLM2-135M target, {manifest['num_samples']} samples, {manifest['num_tokens']} tokens; EAGLE-3 "
           f"{a.steps} steps of {a.batch_tokens} tokens, best of {a.repeats} runs each, {os.cpu_count()} CPUs")
     print(f"{'':8s} {'dataset bytes':>14s} {'build s':>8s} {'train tok/s':>12s} {'peak mem GiB':>13s}")

@@ -16,8 +16,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from draftsmith.data.config import DrafterConfig, load_config
 from draftsmith.data.target import load_target_config, resolve_target_path
 from draftsmith.train.build import load_teacher_head
-from draftsmith.train.drafter import Drafter, drafter_dims
+from draftsmith.train.drafter import Drafter
 from draftsmith.train.loss import teacher_targets, ttt_loss
+from draftsmith.train.spec import spec_for_target
 from draftsmith.train.ttt import TTTAttention, shift_for_ttt, shift_tokens, ttt_step_masks
 
 
@@ -68,7 +69,8 @@ def main():
     path = resolve_target_path("smollm2")
     hf = load_target_config(path)
     teacher = load_teacher_head(path)
-    model = Drafter(drafter_dims(hf, DrafterConfig(), 3, a.draft_vocab), DrafterConfig())
+    model = Drafter(spec_for_target(hf, DrafterConfig(), method="eagle3", aux_layer_ids=(1, 2, 3),
+                                    draft_vocab_size=a.draft_vocab))
     model.t2d.zero_()
     model.t2d[: a.draft_vocab] = True
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)

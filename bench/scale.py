@@ -21,6 +21,7 @@ import torch
 
 from draftsmith.data.layer_ids import default_aux_layer_ids
 from draftsmith.data.manifest import atomic_write_json, target_identity
+from draftsmith.data.run_paths import DatasetPaths, RunPaths
 from draftsmith.data.shards import FORMAT, CapturedSample, write_shard
 from draftsmith.data.target import load_target_config, resolve_target_path
 from draftsmith.data.vocab import build_draft_vocab, save_vocab
@@ -49,8 +50,8 @@ def write_random_dataset(out: Path, num_samples: int, draft_vocab: int, seed: in
             entries.append(write_shard(out, len(entries), split, samples[i: i + per_shard], torch.bfloat16))
     counts = torch.bincount(torch.randint(0, V, (100_000,), generator=g), minlength=V)
     d2t, t2d = build_draft_vocab(counts, draft_vocab)
-    save_vocab(out / "vocab.safetensors", d2t, t2d, counts)
-    atomic_write_json(out / "manifest.json", {
+    save_vocab(DatasetPaths(out).vocab, d2t, t2d, counts)
+    atomic_write_json(DatasetPaths(out).manifest, {
         "format": FORMAT, "target": target_identity("smollm2", hf), "aux_layer_ids": aux, "dtype": "bfloat16",
         "num_samples": sum(e["num_samples"] for e in entries), "num_tokens": sum(e["num_tokens"] for e in entries),
         "shards": entries})
@@ -76,7 +77,7 @@ def train_once(name: str, work: Path, dataset: Path, processes: int, threads: in
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.exit(f"{name} failed:\n{proc.stdout[-3000:]}{proc.stderr[-5000:]}")
-    last = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()
+    last = [json.loads(line) for line in RunPaths.at(out).metrics.read_text().splitlines()
             if '"tokens_per_s"' in line][-1]
     return {"run": name, "processes": processes, "threads_per_process": threads,
             "tokens_per_s": round(last["tokens_per_s"], 1), "peak_mem_gib_rank0": round(last["peak_mem_gib"], 2),

@@ -102,7 +102,7 @@ def hidden_states_server(target: str, data_dir: Path):
     repo's scripts/launch_vllm.py configures it: layers [2, N//2, N-3] plus the last one."""
     from draftsmith.data.layer_ids import default_aux_layer_ids
     from draftsmith.data.target import load_target_config
-    from draftsmith.export.serve import VllmServer
+    from draftsmith.export.server import VllmServer
 
     num_layers = load_target_config(target).get_text_config().num_hidden_layers
     spec_config = {"method": "extract_hidden_states", "num_speculative_tokens": 1, "draft_model_config": {
@@ -316,33 +316,13 @@ def train_worker(args) -> None:
     (args.run_dir / "train-result.json").write_text(json.dumps(result, indent=1))
 
 
-def spec_from_speculators_config(cfg: dict) -> dict:
-    """Our drafter spec (export/format.py SPEC_KEYS) read off a speculators config.json, with vLLM's defaults for
-    absent norm flags (vllm/transformers_utils/configs/speculators/algos.py update_eagle3)."""
-    layer = cfg["transformer_layer_config"]
-    verifier = cfg["speculators_config"]["verifier"]
-    return {
-        "method": cfg["speculators_model_type"], "arch": layer["model_type"],
-        **{k: layer[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                                 "rms_norm_eps", "rope_parameters", "max_position_embeddings", "vocab_size",
-                                 "num_hidden_layers", "bos_token_id", "eos_token_id")},
-        "head_dim": layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
-        "target_hidden_size": cfg.get("target_hidden_size") or layer["hidden_size"],
-        "draft_vocab_size": cfg["draft_vocab_size"], "aux_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"],
-        "norm_before_residual": cfg.get("norm_before_residual", True),
-        **{k: bool(cfg.get(k) or False) for k in ("norm_before_fc", "fc_norm", "norm_output")},
-        "mask_token_id": None,
-        "verifier": {"name_or_path": verifier["name_or_path"], "architectures": verifier["architectures"]},
-    }
-
-
 def check_checkpoint_loads(drafter_dir: Path, target: str) -> list[str]:
     """vLLM's speculators config parser, export/validate.py's target-fit check, and export/format.py's tensor
     contract on the exported folder; one line per check."""
     from safetensors.torch import load_file
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
-    from draftsmith.export.format import check_state_dict
+    from draftsmith.export.format import check_state_dict, spec_from_drafter_config
     from draftsmith.export.validate import check_drafter_fits_target
 
     cfg = json.loads((drafter_dir / "config.json").read_text())
@@ -357,7 +337,7 @@ def check_checkpoint_loads(drafter_dir: Path, target: str) -> list[str]:
     # vLLM's Eagle3LlamaForCausalLM.load_weights takes an embed_tokens it is given (llama_eagle3.py); our export
     # leaves it out (the drafter then shares the target's), so the contract check runs without it
     embed = tensors.pop("embed_tokens.weight", None)
-    spec = spec_from_speculators_config(cfg)
+    spec = spec_from_drafter_config(cfg, str(drafter_dir / "config.json"))
     dtype = tensors["fc.weight"].dtype
     extra = "" if embed is None else f" + embed_tokens.weight {list(embed.shape)}, which vLLM loads as is"
     lines.append(f"export/format.py check_state_dict ({len(tensors)} tensors, {dtype}{extra}): "
@@ -370,7 +350,9 @@ def check_checkpoint_loads(drafter_dir: Path, target: str) -> list[str]:
 
 def serve_drafter_once(drafter_dir: Path, target: str, prompt_ids: list[int], log_dir: Path) -> str:
     """Load the folder as vLLM's EAGLE-3 drafter (the path export/validate.py --drafter takes) for one request."""
-    from draftsmith.export.serve import VllmServer, acceptance_length, drafter_spec_config
+    from draftsmith.export.acceptance import acceptance_length
+    from draftsmith.export.serve import drafter_spec_config
+    from draftsmith.export.server import VllmServer
 
     server = VllmServer(target, "speculators-drafter", log_dir, spec_config=drafter_spec_config(drafter_dir, 3, False),
                         dtype="float32", max_model_len=SEQ_LEN, start_timeout_s=900)

@@ -20,8 +20,9 @@ import torch
 from draftsmith.data.config import DrafterConfig
 from draftsmith.data.target import load_target_config, resolve_target_path
 from draftsmith.train.build import load_teacher_head
-from draftsmith.train.drafter import Drafter, drafter_dims
+from draftsmith.train.drafter import Drafter
 from draftsmith.train.loss import teacher_from_final_hidden, teacher_targets, ttt_loss, ttt_step_loss
+from draftsmith.train.spec import spec_for_target
 from draftsmith.train.ttt import shift_for_ttt, ttt_forward, ttt_step_masks
 
 NUM_AUX, TTT_STEPS, STEP_WEIGHT = 3, 3, 0.8
@@ -57,7 +58,8 @@ def one_variant(variant: str, seq: int, steps: int, draft_vocab: int) -> dict:
     hf = load_target_config(path)
     teacher_weight = load_teacher_head(path)
     torch.manual_seed(0)
-    model = Drafter(drafter_dims(hf, DrafterConfig(), NUM_AUX, draft_vocab), DrafterConfig())
+    model = Drafter(spec_for_target(hf, DrafterConfig(), method="eagle3", aux_layer_ids=range(1, NUM_AUX + 1),
+                                    draft_vocab_size=draft_vocab))
     model.t2d.zero_()
     model.t2d[torch.randperm(hf.vocab_size)[:draft_vocab]] = True
     g = torch.Generator().manual_seed(1)

@@ -18,14 +18,16 @@ def run_one(seq: int, ttt_steps: int, draft_vocab: int, steps: int, attention: s
     from draftsmith.data.config import DrafterConfig, load_config
     from draftsmith.data.target import load_target_config, resolve_target_path
     from draftsmith.train.build import load_teacher_head
-    from draftsmith.train.drafter import Drafter, drafter_dims
+    from draftsmith.train.drafter import Drafter
     from draftsmith.train.eagle3 import ttt_row_loss
+    from draftsmith.train.spec import spec_for_target
 
     cfg, _ = load_config("smollm2-demo", [f"ttt.num_steps={ttt_steps}", f"train.attention={attention}"])
     path = resolve_target_path("smollm2")
     hf = load_target_config(path)
     teacher = load_teacher_head(path)
-    model = Drafter(drafter_dims(hf, DrafterConfig(), 3, draft_vocab), DrafterConfig())
+    model = Drafter(spec_for_target(hf, DrafterConfig(), method="eagle3", aux_layer_ids=(1, 2, 3),
+                                    draft_vocab_size=draft_vocab))
     model.t2d.zero_()
     model.t2d[:draft_vocab] = True
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)

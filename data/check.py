@@ -76,8 +76,8 @@ def main(argv=None) -> None:
                         help="max relative error; default by target.dtype: " +
                              ", ".join(f"{k} {v}" for k, v in TOLERANCE.items()))
     cfg, args = parse_run_args(parser, argv)
-    ds_dir = cfg.dataset_dir()
-    manifest = read_json(ds_dir / "manifest.json", "dataset manifest")
+    ds_dir = cfg.paths.dataset.dir
+    manifest = read_json(cfg.paths.dataset.manifest, "dataset manifest")
     check_token_counts(ds_dir, manifest)
     if manifest.get("capture", "offline") == "online":
         # training computes the hidden states itself (tests/train/test_online.py checks them against capture)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from draftsmith.data.errors import UserError
+from draftsmith.data.run_paths import RunPaths
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -262,11 +263,10 @@ class RunConfig:
     name: str = "run"
     """Config name (the YAML file's stem); names the default output dir."""
 
-    def run_dir(self) -> Path:
-        return Path(self.output_dir or f"runs/{self.name}")
-
-    def dataset_dir(self) -> Path:
-        return Path(self.data.dataset_dir) if self.data.dataset_dir else self.run_dir() / "dataset"
+    @property
+    def paths(self) -> RunPaths:
+        """Where this run reads and writes (data/run_paths.py owns the layout)."""
+        return RunPaths.of(self)
 
 
 # ---- building dataclasses from plain dicts ---------------------------------------------------------

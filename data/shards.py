@@ -21,6 +21,7 @@ from safetensors.torch import save
 
 from draftsmith.data.errors import UserError
 from draftsmith.data.manifest import atomic_write_json, read_json, sha256_file, temp_file_beside
+from draftsmith.data.run_paths import DatasetPaths
 
 FORMAT = "draftsmith.hidden_states/1"
 SHARD_KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states", "offsets")
@@ -192,9 +193,9 @@ class ShardedDataset:
 
     def __init__(self, dataset_dir: Path, split: str = "train"):
         self.dir = Path(dataset_dir)
-        self.manifest = read_json(self.dir / "manifest.json", "dataset manifest")
+        self.manifest = read_json(DatasetPaths(self.dir).manifest, "dataset manifest")
         if self.manifest.get("format") != FORMAT:
-            raise UserError(f"{self.dir / 'manifest.json'}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
+            raise UserError(f"{DatasetPaths(self.dir).manifest}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
         self.shards = [s for s in self.manifest["shards"] if s["split"] == split]
         self.index = [(si, j) for si, s in enumerate(self.shards) for j in range(s["num_samples"])]
         self._open: dict[int, object] = {}

@@ -11,23 +11,10 @@ import logging
 import torch
 
 from draftsmith.data.errors import UserError
+from draftsmith.train.spec import DrafterSpec
 
 logger = logging.getLogger(__name__)
 
-SPEC_KEYS = (
-    "method", "arch", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "rms_norm_eps", "rope_parameters", "max_position_embeddings", "vocab_size",
-    "num_hidden_layers", "target_hidden_size", "draft_vocab_size", "aux_layer_ids", "fc_norm",
-    "norm_output", "norm_before_fc", "norm_before_residual", "mask_token_id", "bos_token_id",
-    "eos_token_id", "verifier",
-)
-POSITIVE_INT_KEYS = (
-    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "max_position_embeddings", "vocab_size", "num_hidden_layers", "target_hidden_size", "draft_vocab_size",
-)
-NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-METHODS = ("eagle3", "peagle")
-ARCHS = ("llama", "qwen3")
 EXPORT_FORMATS = ("speculators", "legacy")
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # the class names speculators writes; vLLM ignores them and derives the class from model_type (algos.py)
@@ -42,76 +29,6 @@ VLLM_DEFAULT_NUM_AUX = 3
 TensorSpec = tuple[tuple[int, ...], "torch.dtype | None"]
 
 
-def check_spec(spec: dict) -> None:
-    """Reject a drafter spec (drafter.json) with missing, unknown or impossible fields."""
-    missing = [k for k in SPEC_KEYS if k not in spec]
-    if missing:
-        raise UserError(f"drafter spec: missing field(s) {missing}")
-    unknown = sorted(set(spec) - set(SPEC_KEYS))
-    if unknown:
-        raise UserError(f"drafter spec: unknown field(s) {unknown} (valid: {list(SPEC_KEYS)})")
-    if spec["method"] not in METHODS:
-        raise UserError(f"drafter spec: method {spec['method']!r} is not one of {METHODS}")
-    if spec["arch"] not in ARCHS:
-        raise UserError(f"drafter spec: arch {spec['arch']!r} is not one of {ARCHS}")
-    for k in POSITIVE_INT_KEYS:
-        if not isinstance(spec[k], int) or isinstance(spec[k], bool) or spec[k] <= 0:
-            raise UserError(f"drafter spec: {k} must be a positive int, found {spec[k]!r}")
-    for k in NORM_FLAGS:
-        if not isinstance(spec[k], bool):
-            raise UserError(f"drafter spec: {k} must be true or false, found {spec[k]!r}")
-    _check_spec_relations(spec)
-
-
-def _check_spec_relations(spec: dict) -> None:
-    ids = spec["aux_layer_ids"]
-    if not ids or not all(isinstance(i, int) and i >= 0 for i in ids) or list(ids) != sorted(set(ids)):
-        raise UserError(
-            f"drafter spec: aux_layer_ids must be non-empty, ascending, unique ints >= 0; found {ids}"
-        )
-    if spec["draft_vocab_size"] > spec["vocab_size"]:
-        raise UserError(
-            f"drafter spec: draft_vocab_size {spec['draft_vocab_size']} exceeds "
-            f"the target vocab {spec['vocab_size']}"
-        )
-    if spec["fc_norm"] and spec["norm_before_fc"]:
-        raise UserError("drafter spec: fc_norm and norm_before_fc are exclusive (EAGLE-3.1 uses fc_norm)")
-    rope = spec["rope_parameters"]
-    if not isinstance(rope, dict) or "rope_type" not in rope or "rope_theta" not in rope:
-        raise UserError(f"drafter spec: rope_parameters needs rope_type and rope_theta, found {rope!r}")
-    verifier = spec["verifier"]
-    if not isinstance(verifier, dict) or set(verifier) != {"name_or_path", "architectures"}:
-        raise UserError(
-            f"drafter spec: verifier must hold exactly name_or_path and architectures, found {verifier!r}"
-        )
-    _check_mask_token(spec)
-
-
-def _check_mask_token(spec: dict) -> None:
-    mask = spec["mask_token_id"]
-    if spec["method"] == "peagle":
-        if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < spec["vocab_size"]:
-            raise UserError(
-                f"drafter spec: peagle needs mask_token_id in [0, {spec['vocab_size']}), found {mask!r}"
-            )
-    elif mask is not None:
-        raise UserError(f"drafter spec: mask_token_id must be null for method eagle3, found {mask!r}")
-
-
-def num_aux(spec: dict) -> int:
-    return len(spec["aux_layer_ids"])
-
-
-def fc_input_size(spec: dict) -> int:
-    """Width of the concatenated aux hidden states: n_aux * H_t."""
-    return num_aux(spec) * spec["target_hidden_size"]
-
-
-def has_vocab_map(spec: dict) -> bool:
-    """vLLM creates draft_id_to_target_id only when draft_vocab_size != the target vocab (llama_eagle3.py)."""
-    return spec["draft_vocab_size"] != spec["vocab_size"]
-
-
 def export_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype) and name in EXPORT_DTYPES.values():
         return name
@@ -123,35 +40,34 @@ def export_dtype(name: str | torch.dtype) -> torch.dtype:
 # ---- tensors ---------------------------------------------------------------------------------------------
 
 
-def expected_tensors(spec: dict) -> dict[str, TensorSpec]:
+def expected_tensors(spec: DrafterSpec) -> dict[str, TensorSpec]:
     """Exactly the tensors vLLM loads for this spec: name -> (shape, dtype); dtype None = the export dtype."""
-    check_spec(spec)
     tensors = dict(_input_tensors(spec))
-    for i in range(spec["num_hidden_layers"]):
+    for i in range(spec.num_hidden_layers):
         tensors.update(_layer_tensors(spec, i))
     tensors.update(_output_tensors(spec))
     return tensors
 
 
-def _input_tensors(spec: dict) -> dict[str, TensorSpec]:
-    h, h_t, fc_in = spec["hidden_size"], spec["target_hidden_size"], fc_input_size(spec)
+def _input_tensors(spec: DrafterSpec) -> dict[str, TensorSpec]:
+    h, h_t, fc_in = spec.hidden_size, spec.target_hidden_size, spec.fc_input_size
     out: dict[str, TensorSpec] = {}
-    if spec["method"] == "peagle":
+    if spec.method == "peagle":
         # P-EAGLE trains embed_tokens (the mask token's row); vLLM keeps it when it differs from the target's
-        out["embed_tokens.weight"] = ((spec["vocab_size"], h), None)
+        out["embed_tokens.weight"] = ((spec.vocab_size, h), None)
         out["mask_hidden"] = ((1, fc_in), None)
-    if spec["norm_before_fc"]:
+    if spec.norm_before_fc:
         out["input_norm.weight"] = ((fc_in,), None)
-    if spec["fc_norm"]:
-        out.update({f"fc_norm.{i}.weight": ((h_t,), None) for i in range(num_aux(spec))})
+    if spec.fc_norm:
+        out.update({f"fc_norm.{i}.weight": ((h_t,), None) for i in range(spec.num_aux)})
     out["fc.weight"] = ((h, fc_in), None)
     return out
 
 
-def _layer_tensors(spec: dict, i: int) -> dict[str, TensorSpec]:
+def _layer_tensors(spec: DrafterSpec, i: int) -> dict[str, TensorSpec]:
     """Layer 0's q/k/v read cat(embeds, hidden) of width 2H; later layers read H (llama_eagle3.py)."""
-    h, d, inter = spec["hidden_size"], spec["head_dim"], spec["intermediate_size"]
-    q, kv = spec["num_attention_heads"] * d, spec["num_key_value_heads"] * d
+    h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
     qkv_in = 2 * h if i == 0 else h
     p = f"layers.{i}."
     out: dict[str, TensorSpec] = {p + "input_layernorm.weight": ((h,), None)}
@@ -163,7 +79,7 @@ def _layer_tensors(spec: dict, i: int) -> dict[str, TensorSpec]:
         p + "self_attn.v_proj.weight": ((kv, qkv_in), None),
         p + "self_attn.o_proj.weight": ((h, q), None),
     })
-    if spec["arch"] == "qwen3":
+    if spec.arch == "qwen3":
         out[p + "self_attn.q_norm.weight"] = ((d,), None)
         out[p + "self_attn.k_norm.weight"] = ((d,), None)
     out.update({
@@ -175,31 +91,31 @@ def _layer_tensors(spec: dict, i: int) -> dict[str, TensorSpec]:
     return out
 
 
-def _output_tensors(spec: dict) -> dict[str, TensorSpec]:
-    h, v_d, v_t = spec["hidden_size"], spec["draft_vocab_size"], spec["vocab_size"]
+def _output_tensors(spec: DrafterSpec) -> dict[str, TensorSpec]:
+    h, v_d, v_t = spec.hidden_size, spec.draft_vocab_size, spec.vocab_size
     out: dict[str, TensorSpec] = {"norm.weight": ((h,), None), "lm_head.weight": ((v_d, h), None)}
-    if has_vocab_map(spec):
+    if spec.has_vocab_map:
         out["d2t"] = ((v_d,), torch.int64)
         # vLLM skips t2d; speculators' own loader reads it, and it costs V_t bytes
         out["t2d"] = ((v_t,), torch.bool)
     return out
 
 
-def dropped_tensors(spec: dict) -> dict[str, str]:
+def dropped_tensors(spec: DrafterSpec) -> dict[str, str]:
     """Tensors a trained drafter holds that the export leaves out, each with the reason."""
     out = {}
-    if spec["method"] == "eagle3":
+    if spec.method == "eagle3":
         out["embed_tokens.weight"] = (
             "EAGLE-3 keeps a frozen copy of the target's embedding; without it vLLM shares the target's "
             "(llm_base_proposer.py _maybe_share_embeddings)"
         )
-    if not has_vocab_map(spec):
+    if not spec.has_vocab_map:
         out["d2t"] = "draft vocab = target vocab: vLLM has no draft_id_to_target_id and rejects d2t"
         out["t2d"] = "draft vocab = target vocab: the map is the identity"
     return out
 
 
-def select_export_tensors(state_dict: dict[str, torch.Tensor], spec: dict) -> dict[str, torch.Tensor]:
+def select_export_tensors(state_dict: dict[str, torch.Tensor], spec: DrafterSpec) -> dict[str, torch.Tensor]:
     """The drafter's state dict without dropped_tensors(spec); d2t must be the identity to be dropped."""
     dropped = dropped_tensors(spec)
     d2t = state_dict.get("d2t")
@@ -212,7 +128,7 @@ def select_export_tensors(state_dict: dict[str, torch.Tensor], spec: dict) -> di
     return {k: v for k, v in state_dict.items() if k not in dropped}
 
 
-def check_state_dict(state_dict: dict[str, torch.Tensor], spec: dict, dtype: str | torch.dtype) -> None:
+def check_state_dict(state_dict: dict[str, torch.Tensor], spec: DrafterSpec, dtype: str | torch.dtype) -> None:
     """Raise naming the first missing, unexpected, mis-shaped, mis-typed or non-finite tensor, or a bad d2t.
 
     vLLM aborts on an unexpected tensor but leaves a missing one uninitialised, so this check is ours.
@@ -232,8 +148,8 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], spec: dict, dtype: str
         raise UserError(f"drafter tensor {name!r} is unexpected for this spec{hint}")
     for name, (shape, want) in expected.items():
         _check_tensor(name, state_dict[name], shape, want or dtype)
-    if has_vocab_map(spec):
-        check_vocab_map(state_dict["d2t"], state_dict["t2d"], spec["vocab_size"])
+    if spec.has_vocab_map:
+        check_vocab_map(state_dict["d2t"], state_dict["t2d"], spec.vocab_size)
 
 
 def _check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -278,69 +194,65 @@ def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> No
 # ---- config.json -------------------------------------------------------------------------------------------
 
 
-def decoder_config(spec: dict) -> dict:
+def decoder_config(spec: DrafterSpec) -> dict:
     """The drafter's decoder as a plain Llama/Qwen3 HF config; vocab_size is the target's (embed, logits)."""
     cfg = {
-        "model_type": spec["arch"],
-        "architectures": [HF_ARCHITECTURES[spec["arch"]]],
-        "hidden_size": spec["hidden_size"],
-        "intermediate_size": spec["intermediate_size"],
-        "num_hidden_layers": spec["num_hidden_layers"],
-        "num_attention_heads": spec["num_attention_heads"],
-        "num_key_value_heads": spec["num_key_value_heads"],
-        "head_dim": spec["head_dim"],
+        "model_type": spec.arch,
+        "architectures": [HF_ARCHITECTURES[spec.arch]],
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": spec["rms_norm_eps"],
-        "rope_parameters": dict(spec["rope_parameters"]),
-        "max_position_embeddings": spec["max_position_embeddings"],
-        "vocab_size": spec["vocab_size"],
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_parameters": dict(spec.rope_parameters),
+        "max_position_embeddings": spec.max_position_embeddings,
+        "vocab_size": spec.vocab_size,
         "tie_word_embeddings": False,
         "attention_bias": False,
-        "bos_token_id": spec["bos_token_id"],
-        "eos_token_id": spec["eos_token_id"],
+        "bos_token_id": spec.bos_token_id,
+        "eos_token_id": spec.eos_token_id,
     }
-    if spec["arch"] == "llama":
+    if spec.arch == "llama":
         cfg["mlp_bias"] = False
     return cfg
 
 
-def norm_flags(spec: dict) -> dict:
-    """All four switches, always explicit: an absent norm_before_residual means True on vLLM's eagle3 path
-    but False on its peagle path (algos.py)."""
-    return {k: spec[k] for k in NORM_FLAGS}
 
 
-def speculators_config(spec: dict, num_speculative_tokens: int, *, dtype: str | None = None) -> dict:
+def speculators_config(spec: DrafterSpec, num_speculative_tokens: int, *, dtype: str | None = None) -> dict:
     """config.json in the speculators layout (no top-level model_type: that is how vLLM detects it)."""
-    check_spec(spec)
     _check_num_speculative_tokens(num_speculative_tokens)
     layer = decoder_config(spec)
-    if num_aux(spec) != VLLM_DEFAULT_NUM_AUX:
+    if spec.num_aux != VLLM_DEFAULT_NUM_AUX:
         # vLLM's Llama drafter ignores the top-level ids when sizing fc (vllm issue #54526)
-        layer["num_aux_hidden_states"] = num_aux(spec)
-    if spec["method"] == "peagle":
+        layer["num_aux_hidden_states"] = spec.num_aux
+    if spec.method == "peagle":
         # update_peagle (vllm/transformers_utils/configs/speculators/algos.py) forwards neither fc_norm nor
         # norm_output; keys inside transformer_layer_config survive into the HF config the model reads
-        layer["fc_norm"], layer["norm_output"] = spec["fc_norm"], spec["norm_output"]
+        layer["fc_norm"], layer["norm_output"] = spec.fc_norm, spec.norm_output
     cfg = {
-        "architectures": [SPECULATORS_ARCHITECTURES[spec["method"]]],
-        "speculators_model_type": spec["method"],
+        "architectures": [SPECULATORS_ARCHITECTURES[spec.method]],
+        "speculators_model_type": spec.method,
         "transformer_layer_config": layer,
-        "draft_vocab_size": spec["draft_vocab_size"],
-        "target_hidden_size": spec["target_hidden_size"],
-        "eagle_aux_hidden_state_layer_ids": list(spec["aux_layer_ids"]),
-        **norm_flags(spec),
+        "draft_vocab_size": spec.draft_vocab_size,
+        "target_hidden_size": spec.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
+        # all four, always: an absent norm_before_residual means True for eagle3 but False for peagle (algos.py)
+        **spec.norm_flags(),
         "tie_word_embeddings": False,
     }
-    if spec["method"] == "peagle":
-        cfg["mask_token_id"] = spec["mask_token_id"]
+    if spec.method == "peagle":
+        cfg["mask_token_id"] = spec.mask_token_id
     cfg["speculators_config"] = _proposal_config(spec, num_speculative_tokens)
     if dtype is not None:
         cfg["dtype"] = dtype
     return cfg
 
 
-def _proposal_config(spec: dict, num_speculative_tokens: int) -> dict:
+def _proposal_config(spec: DrafterSpec, num_speculative_tokens: int) -> dict:
     """vLLM reads proposal_methods[0].speculative_tokens and verifier.name_or_path (speculators/base.py)."""
     greedy = {
         "proposal_type": "greedy",
@@ -349,41 +261,40 @@ def _proposal_config(spec: dict, num_speculative_tokens: int) -> dict:
         "accept_tolerance": 0.0,
     }
     return {
-        "algorithm": spec["method"],
+        "algorithm": spec.method,
         "proposal_methods": [greedy],
         "default_proposal_method": "greedy",
         "verifier": {
-            "name_or_path": spec["verifier"]["name_or_path"],
-            "architectures": list(spec["verifier"]["architectures"]),
+            "name_or_path": spec.verifier_name_or_path,
+            "architectures": list(spec.verifier_architectures),
         },
     }
 
 
-def legacy_config(spec: dict, *, dtype: str | None = None) -> dict:
+def legacy_config(spec: DrafterSpec, *, dtype: str | None = None) -> dict:
     """config.json in the legacy EAGLE-3 layout: a plain decoder config plus the EAGLE fields.
 
     Tensor names are the same as in the speculators layout (one loader serves both), so nothing is renamed.
     P-EAGLE needs "parallel_drafting": true in the serving config, as it does in both layouts.
     """
-    check_spec(spec)
     cfg = decoder_config(spec)
-    cfg["architectures"] = [LEGACY_ARCHITECTURES[spec["arch"]]]
-    cfg["draft_vocab_size"] = spec["draft_vocab_size"]
-    cfg["target_hidden_size"] = spec["target_hidden_size"]
+    cfg["architectures"] = [LEGACY_ARCHITECTURES[spec.arch]]
+    cfg["draft_vocab_size"] = spec.draft_vocab_size
+    cfg["target_hidden_size"] = spec.target_hidden_size
     # both drafters size fc from these ids and the runner captures them (llama_eagle3.py, gpu_model_runner.py)
     cfg["eagle_config"] = {
-        "eagle_aux_hidden_state_layer_ids": list(spec["aux_layer_ids"]),
+        "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
         "use_aux_hidden_state": True,
     }
-    cfg.update(norm_flags(spec))
-    if spec["method"] == "peagle":
-        cfg["mask_token_id"] = spec["mask_token_id"]
+    cfg.update(spec.norm_flags())
+    if spec.method == "peagle":
+        cfg["mask_token_id"] = spec.mask_token_id
     if dtype is not None:
         cfg["dtype"] = dtype
     return cfg
 
 
-def drafter_config(spec: dict, fmt: str, num_speculative_tokens: int, *, dtype: str | None = None) -> dict:
+def drafter_config(spec: DrafterSpec, fmt: str, num_speculative_tokens: int, *, dtype: str | None = None) -> dict:
     """config.json for either layout."""
     if fmt == "speculators":
         return speculators_config(spec, num_speculative_tokens, dtype=dtype)
@@ -396,3 +307,47 @@ def drafter_config(spec: dict, fmt: str, num_speculative_tokens: int, *, dtype: 
 def _check_num_speculative_tokens(k: int) -> None:
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise UserError(f"num_speculative_tokens must be an int >= 1, found {k!r}")
+
+
+# ---- config.json -> spec -------------------------------------------------------------------------------------
+
+# vLLM's value for an absent flag (vllm/transformers_utils/configs/speculators/algos.py); speculators' own
+# trainer leaves some out
+VLLM_NORM_DEFAULTS = {"eagle3": {"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False,
+                                 "norm_output": False},
+                      "peagle": {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False,
+                                 "norm_output": False}}
+
+
+def spec_from_drafter_config(config: dict, where: str = "drafter config.json") -> DrafterSpec:
+    """The DrafterSpec of an exported folder's config.json, in either layout, ours or another trainer's (the
+    inverse of drafter_config); absent norm flags take vLLM's defaults, as vLLM would serve them."""
+    legacy = "speculators_model_type" not in config
+    try:
+        if legacy:
+            layer, top = config, {**config, **(config.get("eagle_config") or {})}
+            method = "peagle" if config.get("mask_token_id") is not None else "eagle3"
+            arch = next(a for a, name in LEGACY_ARCHITECTURES.items() if name in config.get("architectures", []))
+            verifier = {}
+        else:
+            layer, top, method = config["transformer_layer_config"], config, config["speculators_model_type"]
+            arch = layer["model_type"]
+            verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+        flags = {k: bool(top.get(k, layer.get(k, default))) for k, default in VLLM_NORM_DEFAULTS[method].items()}
+        return DrafterSpec(
+            method=method, arch=arch, hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+            num_attention_heads=layer["num_attention_heads"],
+            num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
+            head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+            rms_norm_eps=layer["rms_norm_eps"], rope_parameters=layer["rope_parameters"],
+            max_position_embeddings=layer["max_position_embeddings"], vocab_size=layer["vocab_size"],
+            num_hidden_layers=layer["num_hidden_layers"],
+            # speculators' trainer writes null, which vLLM reads as the drafter's own width
+            target_hidden_size=top.get("target_hidden_size") or layer["hidden_size"],
+            draft_vocab_size=top["draft_vocab_size"], aux_layer_ids=tuple(top["eagle_aux_hidden_state_layer_ids"]),
+            mask_token_id=top.get("mask_token_id") if method == "peagle" else None,
+            bos_token_id=layer.get("bos_token_id"), eos_token_id=layer.get("eos_token_id"),
+            verifier_name_or_path=verifier.get("name_or_path") or "",
+            verifier_architectures=tuple(verifier.get("architectures") or ()), **flags)
+    except (KeyError, StopIteration) as e:
+        raise UserError(f"{where}: not a drafter config vLLM can serve (missing {e})") from None

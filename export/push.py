@@ -12,6 +12,7 @@ import yaml
 from draftsmith.data.cli import build_arg_parser, parse_run_args, run_entry
 from draftsmith.data.errors import UserError
 from draftsmith.data.manifest import read_json
+from draftsmith.export.format import spec_from_drafter_config
 from draftsmith.export.hub import model_card, push_folder, stage_upload_folder
 
 logger = logging.getLogger("draftsmith.export.push")
@@ -26,18 +27,18 @@ def main(argv=None) -> None:
     cfg, args = parse_run_args(parser, argv)
     if args.repo_id.count("/") != 1:
         raise UserError(f"--repo-id {args.repo_id!r} must look like ORG/NAME")
-    run = cfg.run_dir()
-    drafter_dir = Path(args.drafter) if args.drafter else run / "drafter"
-    validation = read_json(run / "validation.json", "validation report (run export/validate.py first)")
-    drafter_config = read_json(drafter_dir / "config.json", "exported drafter config")
-    train_cfg_path = run / "train" / "config.yaml"
-    train_config = yaml.safe_load(train_cfg_path.read_text()) if train_cfg_path.is_file() else {}
-    manifest_path = run / "dataset" / "manifest.json"
-    manifest = read_json(manifest_path) if manifest_path.is_file() else {}
-    card = model_card(args.repo_id, drafter_config, validation, train_config, manifest)
-    staging = run / "hub" / args.repo_id.replace("/", "--")
+    paths = cfg.paths
+    drafter_dir = Path(args.drafter) if args.drafter else paths.drafter
+    validation = read_json(paths.validation_json, "validation report (run export/validate.py first)")
+    spec = spec_from_drafter_config(read_json(drafter_dir / "config.json", "exported drafter config"),
+                                    str(drafter_dir / "config.json"))
+    train_config = yaml.safe_load(paths.train_config_copy.read_text()) if paths.train_config_copy.is_file() else {}
+    # the dataset this run trained on: its own, or another run's (data.dataset_dir)
+    manifest = read_json(paths.dataset.manifest) if paths.dataset.manifest.is_file() else {}
+    card = model_card(args.repo_id, spec, validation, train_config, manifest)
+    staging = paths.hub_staging(args.repo_id)
     files = stage_upload_folder(drafter_dir, staging, card,
-                                [run / "validation.json", run / "validation.md", run / "validation-acceptance.png"])
+                                [paths.validation_json, paths.validation_md, paths.validation_plot])
     print(f"{'would upload' if args.dry_run else 'uploading'} {staging} to {args.repo_id}:")
     for f in files:
         print(f"  {f.name:32s} {f.stat().st_size:>12,d} bytes")

@@ -84,11 +84,11 @@ def plot_acceptance(r: dict, path: Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-def print_summary(r: dict, run_dir: Path) -> None:
+def print_summary(r: dict, report_path: Path) -> None:
     tok = r["output_tokens_per_s"]
     ngram = f", ngram {r['ngram']['acceptance_length']:.2f}" if r["ngram"] else ""
     print(f"{r['method']} K={r['num_speculative_tokens']}: acceptance length {r['acceptance_length']:.3f}{ngram}; "
           f"lossless {r['lossless']}; {tok['with_drafter']:.1f} vs {tok['without_drafter']:.1f} output tokens/s "
           f"without drafter; recommended K {r['recommended_k']}"
           + ("; TRAIN/SERVE MISMATCH" if r["train_serve_mismatch"]["mismatch"] else ""))
-    print(f"report: {run_dir / 'validation.md'}")
+    print(f"report: {report_path}")

@@ -22,14 +22,13 @@ def main(argv=None) -> None:
     parser.add_argument("--checkpoint", default=None, help="drafter bundle (default: <output_dir>/train/best)")
     cfg, args = parse_run_args(parser, argv)
     log_run_header("export/speculators", args.config)
-    bundle = Path(args.checkpoint) if args.checkpoint else cfg.run_dir() / "train" / "best"
-    state_dict, spec = load_drafter_bundle(bundle)
+    bundle = Path(args.checkpoint) if args.checkpoint else cfg.paths.best
+    state_dict, spec, progress = load_drafter_bundle(bundle)
     fmt = args.format or cfg.export.format
-    out = Path(args.out) if args.out else cfg.run_dir() / "drafter"
-    step = spec.pop("step", None)
-    spec.pop("eval", None)
+    out = Path(args.out) if args.out else cfg.paths.drafter
+    step = progress.get("step")
     write_drafter_folder(state_dict, spec, out, fmt, cfg.export.dtype, cfg.export.num_speculative_tokens[0])
-    print(f"exported {spec['method']} drafter (training step {step}) in {fmt} format to {out}")
+    print(f"exported {spec.method} drafter (training step {step}) in {fmt} format to {out}")
 
 
 if __name__ == "__main__":

@@ -25,9 +25,11 @@ from draftsmith.data.errors import UserError
 from draftsmith.data.layer_ids import normalize_aux_layer_ids
 from draftsmith.data.manifest import atomic_write_bytes, atomic_write_json, read_json
 from draftsmith.data.target import load_target_config, load_tokenizer, resolve_target_path
-from draftsmith.export import serve
+from draftsmith.export import acceptance, serve
+from draftsmith.export.format import spec_from_drafter_config
 from draftsmith.export.report import plot_acceptance, print_summary, render_markdown
-from draftsmith.export.serve import ServedRun, ServerError
+from draftsmith.export.serve import ServedRun
+from draftsmith.export.server import ServerError
 
 logger = logging.getLogger("draftsmith.export.validate")
 
@@ -54,28 +56,23 @@ def check_drafter_fits_target(drafter_dir: Path, target_path: str) -> dict:
     """Refuse, before any server starts, a drafter whose config disagrees with the target's dimensions."""
     if not drafter_dir.is_dir():
         raise FileNotFoundError(f"drafter folder {drafter_dir} does not exist: export the drafter or pass --drafter")
-    drafter = read_json(drafter_dir / "config.json", "drafter config")
+    path = drafter_dir / "config.json"
+    spec = spec_from_drafter_config(read_json(path, "drafter config"), str(path))
     target = load_target_config(target_path).get_text_config()
-    legacy = "speculators_model_type" not in drafter  # legacy EAGLE-3: a plain Llama config (DESIGN section 6)
-    layer = drafter if legacy else drafter.get("transformer_layer_config", {})
-    aux = (drafter.get("eagle_config") or {}) if legacy else drafter
-    # speculators' own trainer writes "target_hidden_size": null, which vLLM reads as "the drafter's hidden size"
-    found = {"target_hidden_size": drafter.get("target_hidden_size") or layer.get("hidden_size"),
-             "transformer_layer_config.vocab_size": layer.get("vocab_size")}
+    found = {"target_hidden_size": spec.target_hidden_size, "transformer_layer_config.vocab_size": spec.vocab_size}
     wanted = {"target_hidden_size": target.hidden_size, "transformer_layer_config.vocab_size": target.vocab_size}
     for key, value in found.items():
         if value != wanted[key]:
             raise UserError(f"drafter {drafter_dir} does not fit target {target_path}: {key} = {value} but the "
                              f"target has {wanted[key]}; export the drafter for this target or pass --target")
-    aux_ids = aux.get("eagle_aux_hidden_state_layer_ids") or []
+    aux_ids = list(spec.aux_layer_ids)
     try:
-        if aux_ids:
-            normalize_aux_layer_ids(aux_ids, target.num_hidden_layers)
+        normalize_aux_layer_ids(aux_ids, target.num_hidden_layers)
     except UserError:
         raise UserError(f"drafter {drafter_dir} does not fit target {target_path}: eagle_aux_hidden_state_layer_ids "
                          f"= {aux_ids} but the target has {target.num_hidden_layers} layers (ids lie in 0..N, "
                          f"N = the stream after the last layer)") from None
-    return {"method": drafter.get("speculators_model_type", "eagle3"), "aux_layer_ids": aux_ids}
+    return {"method": spec.method, "aux_layer_ids": aux_ids}
 
 
 def load_prompt_ids(path: Path, limit: int, tokenizer) -> list[list[int]]:
@@ -106,25 +103,25 @@ def serve_all(cfg, target: str, drafter_dir: Path, parallel: bool, prompts: list
         plan.append((f"ngram-k{ks[0]}", serve.ngram_spec_config(ks[0])))
     return {label: serve.measure_served_run(
         target, label, spec, prompts, max_tokens=cfg.export.max_tokens, concurrency=cfg.export.concurrency,
-        log_dir=cfg.run_dir() / "logs", dtype=cfg.target.dtype, start_timeout_s=cfg.export.server_start_timeout_s)
+        log_dir=cfg.paths.server_logs, dtype=cfg.target.dtype, start_timeout_s=cfg.export.server_start_timeout_s)
         for label, spec in plan}
 
 
 def summarize_run(run: ServedRun, k: int, baseline: ServedRun) -> dict:
-    mismatch = serve.first_mismatch(baseline.token_ids, run.token_ids)
-    return {"num_speculative_tokens": k, "acceptance_length": serve.acceptance_length(run.delta),
-            "acceptance_rate_per_position": serve.acceptance_rates(run.delta),
-            "tokens_per_target_step": serve.tokens_per_target_step(run.output_tokens, run.delta.accepted),
+    mismatch = acceptance.first_mismatch(baseline.token_ids, run.token_ids)
+    return {"num_speculative_tokens": k, "acceptance_length": acceptance.acceptance_length(run.delta),
+            "acceptance_rate_per_position": acceptance.acceptance_rates(run.delta),
+            "tokens_per_target_step": acceptance.tokens_per_target_step(run.output_tokens, run.delta.accepted),
             "output_tokens_per_s": run.output_tokens_per_s, "step_time_ms": 1e3 * run.step_time_s,
             "output_tokens": run.output_tokens, "lossless": mismatch is None,
             "first_mismatch": mismatch and {"prompt_index": mismatch[0], "token_position": mismatch[1]},
             "server_start_s": run.start_s}
 
 
-def check_train_serve(run_dir: Path, served_al_by_k: dict[str, float], default_prompts: bool) -> dict:
-    """Compare the trainer's simulated acceptance length with the served one at the deepest K both have (the
-    trainer simulates K <= its TTT steps; the served rates give every K <= the served one); flag a gap over 10%."""
-    path = run_dir / "train" / "eval_heldout.json"
+def check_train_serve(path: Path, served_al_by_k: dict[str, float], default_prompts: bool) -> dict:
+    """Compare the trainer's simulated acceptance length (its eval_heldout.json at `path`) with the served one at the
+    deepest K both have (the trainer simulates K <= its TTT steps; the served rates give every K <= the served
+    one); flag a gap over 10%."""
     if not default_prompts or not path.is_file():
         why = "custom --prompts" if not default_prompts else f"{path} not found"
         return {"checked": False, "reason": why, "mismatch": False}
@@ -153,10 +150,10 @@ def build_report(cfg, runs: dict[str, ServedRun], drafter: dict, drafter_dir: Pa
     top = entries[-1]  # the largest K: its per-position rates cover every smaller K
     ngram = runs.get(f"ngram-k{ks[-1]}")
     ngram_block = summarize_run(ngram, ks[-1], base) if ngram else None
-    c0, c_draft = serve.fit_step_cost([(0, base.step_time_s)] + [(e["num_speculative_tokens"],
+    c0, c_draft = acceptance.fit_step_cost([(0, base.step_time_s)] + [(e["num_speculative_tokens"],
                                                                   e["step_time_ms"] / 1e3) for e in entries])
-    best_k, speed = serve.recommend_k(top["acceptance_rate_per_position"], c0, c_draft)
-    acceptance_by_k = {str(k): v for k, v in serve.acceptance_length_by_k(top["acceptance_rate_per_position"]).items()}
+    best_k, speed = acceptance.recommend_k(top["acceptance_rate_per_position"], c0, c_draft)
+    acceptance_by_k = {str(k): v for k, v in acceptance.acceptance_length_by_k(top["acceptance_rate_per_position"]).items()}
     return {
         "method": drafter["method"], "drafter_dir": str(drafter_dir), "target": target,
         **{key: top[key] for key in ("num_speculative_tokens", "acceptance_length", "acceptance_rate_per_position",
@@ -169,14 +166,14 @@ def build_report(cfg, runs: dict[str, ServedRun], drafter: dict, drafter_dir: Pa
                                 "ngram": ngram_block and ngram_block["output_tokens_per_s"]},
         "acceptance_length_by_k": acceptance_by_k,
         "tokens_per_target_step": {"drafter": top["tokens_per_target_step"],
-                                   "none": serve.tokens_per_target_step(base.output_tokens, base.delta.accepted),
+                                   "none": acceptance.tokens_per_target_step(base.output_tokens, base.delta.accepted),
                                    "ngram": ngram_block and ngram_block["tokens_per_target_step"]},
         "step_time_ms": {"none": 1e3 * base.step_time_s, "drafter": top["step_time_ms"]},
         "recommended_k": best_k,
         "cost_model": {"c0_ms": 1e3 * c0, "c_draft_ms": 1e3 * c_draft,
                        "expected_speedup_by_k": {str(k): v / speed[0] for k, v in speed.items()}},
         "ngram": ngram_block,
-        "train_serve_mismatch": check_train_serve(cfg.run_dir(), acceptance_by_k, default_prompts),
+        "train_serve_mismatch": check_train_serve(cfg.paths.eval_heldout, acceptance_by_k, default_prompts),
         "server_start_s": {label: run.start_s for label, run in runs.items()},
         "entries": entries if len(entries) > 1 else None,
         "versions": versions(),
@@ -206,18 +203,18 @@ def main(argv=None) -> None:
 def run_validation(argv) -> None:
     cfg, args = parse_args(argv)
     log_run_header("export/validate", args.config)
-    run_dir = cfg.run_dir()
-    drafter_dir = Path(args.drafter) if args.drafter else run_dir / "drafter"
+    paths = cfg.paths
+    drafter_dir = Path(args.drafter) if args.drafter else paths.drafter
     target = args.target or resolve_target_path(cfg.target.name_or_path, cfg.target.revision)
     drafter = check_drafter_fits_target(drafter_dir, target)
-    prompts_path = Path(args.prompts) if args.prompts else cfg.dataset_dir() / "prompts-heldout.jsonl"
+    prompts_path = Path(args.prompts) if args.prompts else paths.dataset.prompts("heldout")
     prompts = load_prompt_ids(prompts_path, cfg.export.num_validation_prompts, load_tokenizer(target))
     runs = serve_all(cfg, target, drafter_dir, drafter["method"] == "peagle", prompts)
     report = build_report(cfg, runs, drafter, drafter_dir, target, default_prompts=args.prompts is None)
-    atomic_write_json(run_dir / "validation.json", report)
-    atomic_write_bytes(run_dir / "validation.md", render_markdown(report).encode())
-    plot_acceptance(report, run_dir / "validation-acceptance.png")
-    print_summary(report, run_dir)
+    atomic_write_json(paths.validation_json, report)
+    atomic_write_bytes(paths.validation_md, render_markdown(report).encode())
+    plot_acceptance(report, paths.validation_plot)
+    print_summary(report, paths.validation_md)
 
 
 if __name__ == "__main__":

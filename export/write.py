@@ -16,13 +16,13 @@ from safetensors.torch import save_file
 
 from draftsmith.data.manifest import sha256_file
 from draftsmith.export.format import (
-    check_spec,
     check_state_dict,
     drafter_config,
     expected_tensors,
     export_dtype,
     select_export_tensors,
 )
+from draftsmith.train.spec import DrafterSpec
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ WEIGHTS = "model.safetensors"
 
 def write_drafter_folder(
     state_dict: dict[str, torch.Tensor],
-    spec: dict,
+    spec: DrafterSpec,
     out_dir: str | Path,
     fmt: str,
     dtype: str,
@@ -40,7 +40,6 @@ def write_drafter_folder(
 ) -> Path:
     """Cast and check the tensors first, then write the folder under a temporary name and rename it."""
     out_dir = Path(out_dir)
-    check_spec(spec)
     tensors = cast_for_export(select_export_tensors(state_dict, spec), spec, dtype)
     check_state_dict(tensors, spec, dtype)
     dtype_name = str(export_dtype(dtype)).removeprefix("torch.")
@@ -59,7 +58,7 @@ def write_drafter_folder(
     return out_dir
 
 
-def cast_for_export(tensors: dict[str, torch.Tensor], spec: dict, dtype: str) -> dict[str, torch.Tensor]:
+def cast_for_export(tensors: dict[str, torch.Tensor], spec: DrafterSpec, dtype: str) -> dict[str, torch.Tensor]:
     """Floating tensors -> the export dtype; the others keep theirs (d2t int64, t2d bool) for the check."""
     want = export_dtype(dtype)
     fixed = {name: d for name, (_, d) in expected_tensors(spec).items() if d is not None}
@@ -72,7 +71,7 @@ def cast_for_export(tensors: dict[str, torch.Tensor], spec: dict, dtype: str) ->
     return out
 
 
-def _write_files(folder: Path, config: dict, tensors: dict, spec: dict, fmt: str, dtype: str, k: int) -> None:
+def _write_files(folder: Path, config: dict, tensors: dict, spec: DrafterSpec, fmt: str, dtype: str, k: int) -> None:
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
     provenance = {
@@ -82,7 +81,7 @@ def _write_files(folder: Path, config: dict, tensors: dict, spec: dict, fmt: str
         "num_tensors": len(tensors),
         "model_safetensors_sha256": sha256_file(folder / WEIGHTS),
         "torch_version": torch.__version__,
-        "drafter_spec": spec,
+        "drafter_spec": spec.to_dict(),
     }
     (folder / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
 

@@ -24,7 +24,8 @@ from draftsmith.data.target import (
 )
 from draftsmith.data.vocab import load_vocab
 from draftsmith.train.checkpoint import latest_checkpoint
-from draftsmith.train.drafter import Drafter, drafter_dims, init_drafter_from_target
+from draftsmith.train.drafter import Drafter, init_drafter_from_target
+from draftsmith.train.spec import DrafterSpec, spec_for_target
 from draftsmith.train.warm_start import init_drafter_from_exported
 
 logger = logging.getLogger(__name__)
@@ -50,12 +51,12 @@ def load_checked_dataset(cfg: RunConfig, device="cpu"):
     A tokens-only dataset (data.capture online) comes back wrapped so that reading a row runs the frozen target,
     loaded here on `device` in target.dtype.
     """
-    ds_dir = cfg.dataset_dir()
-    manifest = read_json(ds_dir / "manifest.json", "dataset manifest (run data/build.py first)")
+    ds_dir = cfg.paths.dataset.dir
+    manifest = read_json(cfg.paths.dataset.manifest, "dataset manifest (run data/build.py first)")
     target_path = resolve_target_head_path(cfg.target.name_or_path, cfg.target.revision)
     hf_cfg = load_target_config(target_path)
     aux_ids = check_dataset_matches(cfg, manifest, target_identity(cfg.target.name_or_path, hf_cfg),
-                                    str(ds_dir / "manifest.json"))
+                                    str(cfg.paths.dataset.manifest))
     train_ds, heldout_ds = ShardedDataset(ds_dir, "train"), ShardedDataset(ds_dir, "heldout")
     if len(train_ds) == 0:
         raise UserError(f"{ds_dir}: the train split is empty")
@@ -68,45 +69,32 @@ def load_checked_dataset(cfg: RunConfig, device="cpu"):
     return train_ds, heldout_ds, aux_ids, target_path, hf_cfg
 
 
-def build_drafter(cfg: RunConfig, hf_cfg, target_path: str, aux_ids: list[int], parallel_drafting: bool) -> Drafter:
-    d2t, t2d = load_vocab(cfg.dataset_dir() / "vocab.safetensors")
-    text_cfg = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
-    dims = drafter_dims(text_cfg, cfg.drafter, len(aux_ids), len(d2t))
+def build_drafter_spec(cfg: RunConfig, hf_cfg, target_path: str, aux_ids: list[int], method: str,
+                       mask_token_id: int | None = None) -> DrafterSpec:
+    """The run's drafter: one layer of the target's shape, the run's drafter.* switches, the dataset's vocab."""
+    d2t, _ = load_vocab(cfg.paths.dataset.vocab)
+    # vLLM resolves a Hub id itself; a folder or the embedded target is named by its path
+    verifier = cfg.target.name_or_path if is_hub_id(cfg.target.name_or_path) else str(target_path)
+    return spec_for_target(hf_cfg, cfg.drafter, method=method, aux_layer_ids=aux_ids, draft_vocab_size=len(d2t),
+                           mask_token_id=mask_token_id, verifier_name_or_path=verifier)
+
+
+def build_drafter(cfg: RunConfig, spec: DrafterSpec, target_path: str) -> Drafter:
+    """A fresh drafter of `spec`: the target's embeddings, the dataset's vocab maps, or train.init_from's weights."""
+    d2t, t2d = load_vocab(cfg.paths.dataset.vocab)
     torch.manual_seed(cfg.train.seed)
-    drafter = Drafter(dims, cfg.drafter, parallel_drafting=parallel_drafting)
+    drafter = Drafter(spec)
     head = load_target_head(target_path)
     init_drafter_from_target(drafter, head["embed"].float(), d2t, t2d)
-    if cfg.train.init_from and latest_checkpoint(cfg.run_dir() / "train" / "checkpoints") is None:
+    if cfg.train.init_from and latest_checkpoint(cfg.paths.checkpoints) is None:
         # a resumed run restores its own weights: the source may be gone by then and is not read
         init_drafter_from_exported(drafter, cfg.train.init_from)
     n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    logger.info("drafter: %d layer(s), H=%d, V_d=%d, %.1fM trainable parameters", cfg.drafter.num_layers,
-                dims.hidden_size, dims.draft_vocab_size, n_train / 1e6)
+    logger.info("drafter: %d layer(s), H=%d, V_d=%d, %.1fM trainable parameters", spec.num_hidden_layers,
+                spec.hidden_size, spec.draft_vocab_size, n_train / 1e6)
     return drafter
 
 
 def load_teacher_head(target_path: str) -> torch.Tensor:
     """The target's lm_head [V_t, H_t] in fp32, frozen (final hidden states are stored after the final norm)."""
     return load_target_head(target_path)["lm_head"].float().requires_grad_(False)
-
-
-def drafter_spec(cfg: RunConfig, drafter: Drafter, hf_cfg, target_path: str, aux_ids: list[int], method: str,
-                 mask_token_id: int | None = None) -> dict:
-    """Everything export/format.py needs besides the weights (one dict, saved as drafter.json)."""
-    d = drafter.dims
-    text_cfg = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
-    return {
-        "method": method, "arch": cfg.drafter.arch, "hidden_size": d.hidden_size,
-        "intermediate_size": d.intermediate_size, "num_attention_heads": d.num_heads,
-        "num_key_value_heads": d.num_kv_heads, "head_dim": d.head_dim, "rms_norm_eps": d.rms_norm_eps,
-        "rope_parameters": dict(d.rope_parameters), "max_position_embeddings": d.max_position_embeddings,
-        "vocab_size": d.vocab_size, "num_hidden_layers": cfg.drafter.num_layers,
-        "target_hidden_size": d.target_hidden_size, "draft_vocab_size": d.draft_vocab_size,
-        "aux_layer_ids": list(aux_ids), "fc_norm": cfg.drafter.fc_norm, "norm_output": cfg.drafter.norm_output,
-        "norm_before_fc": cfg.drafter.norm_before_fc, "norm_before_residual": cfg.drafter.norm_before_residual,
-        "mask_token_id": mask_token_id, "bos_token_id": getattr(text_cfg, "bos_token_id", None),
-        "eos_token_id": getattr(text_cfg, "eos_token_id", None),
-        # vLLM resolves a Hub id itself; a folder or the embedded target is named by its path
-        "verifier": {"name_or_path": cfg.target.name_or_path if is_hub_id(cfg.target.name_or_path) else str(target_path),
-                     "architectures": list(hf_cfg.architectures or [])},
-    }

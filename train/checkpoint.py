@@ -17,12 +17,14 @@ import torch
 from safetensors.torch import load_file, save
 
 from draftsmith.data.manifest import atomic_write_bytes, atomic_write_json, read_json
+from draftsmith.train.spec import DrafterSpec
 
 logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d{7})$")
 BUNDLE_WEIGHTS = "drafter.safetensors"
 BUNDLE_SPEC = "drafter.json"
+BUNDLE_PROGRESS = "progress.json"
 
 
 def checkpoint_dirs(ckpt_root: Path) -> list[Path]:
@@ -66,16 +68,22 @@ def load_checkpoint(accelerator, path: Path) -> dict:
     return read_json(path / "loop_state.json", "checkpoint loop state")
 
 
-def save_drafter_bundle(out_dir: Path, state_dict: dict[str, torch.Tensor], spec: dict, extra: dict) -> None:
-    """The trained weights (fp32) + the drafter spec export/ turns into a vLLM folder."""
+def save_drafter_bundle(out_dir: Path, state_dict: dict[str, torch.Tensor], spec: DrafterSpec,
+                        progress: dict) -> None:
+    """The trained weights (fp32), the drafter spec export/ turns into a vLLM folder, and where training was
+    (step, held-out evaluation) in a file of its own."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
     atomic_write_bytes(out_dir / BUNDLE_WEIGHTS, save(tensors))
-    atomic_write_json(out_dir / BUNDLE_SPEC, {**spec, **extra})
+    spec.save(out_dir / BUNDLE_SPEC)
+    atomic_write_json(out_dir / BUNDLE_PROGRESS, progress)
 
 
-def load_drafter_bundle(bundle_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
+def load_drafter_bundle(bundle_dir: Path) -> tuple[dict[str, torch.Tensor], DrafterSpec, dict]:
+    """(weights, spec, progress) of a bundle save_drafter_bundle wrote."""
     weights = bundle_dir / BUNDLE_WEIGHTS
     if not weights.is_file():
         raise FileNotFoundError(f"no trained drafter at {weights}; run train/eagle3.py (or train/peagle.py) first")
-    return load_file(str(weights)), read_json(bundle_dir / BUNDLE_SPEC, "drafter spec")
+    progress = bundle_dir / BUNDLE_PROGRESS
+    return (load_file(str(weights)), DrafterSpec.load(bundle_dir / BUNDLE_SPEC),
+            read_json(progress, "training progress") if progress.is_file() else {})

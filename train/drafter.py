@@ -6,85 +6,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.data.config import DrafterConfig
 from draftsmith.data.errors import UserError
-
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
+from draftsmith.train.spec import DrafterSpec
 
 # attention(layer_idx, q [B, heads, T, d], k [B, kv_heads, T, d], v) -> [B, heads, T, d]; RoPE already applied
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True, kw_only=True)
-class DrafterDims:
-    hidden_size: int
-    """Drafter width H (= the target's)."""
-    intermediate_size: int
-    """MLP width."""
-    num_heads: int
-    """Query heads."""
-    num_kv_heads: int
-    """Key/value heads (GQA when fewer than num_heads)."""
-    head_dim: int
-    """Per-head width."""
-    rms_norm_eps: float
-    """RMSNorm epsilon."""
-    rope_parameters: dict = field(hash=False)
-    """The target's transformers-5 `rope_parameters` (rope_type, rope_theta, scaling keys)."""
-    max_position_embeddings: int
-    """Copied from the target (written into the exported config)."""
-    vocab_size: int
-    """Target vocab V_t (embed_tokens rows, t2d length)."""
-    draft_vocab_size: int
-    """Draft vocab V_d (lm_head rows, d2t length)."""
-    target_hidden_size: int
-    """H_t, the width of each aux hidden state."""
-    num_aux: int
-    """Number of aux hidden states concatenated before fc."""
-
-
-def drafter_dims(target_hf_config, drafter_cfg: DrafterConfig, num_aux: int, draft_vocab_size: int) -> DrafterDims:
-    """Drafter dimensions copied from the target's HF config (the drafter mirrors one target layer)."""
-    c = target_hf_config
-    if getattr(c, "hidden_act", "silu") != "silu":
-        raise UserError(f"target hidden_act is {c.hidden_act!r}; the drafter's MLP is SwiGLU and needs 'silu'")
-    rope = dict(getattr(c, "rope_parameters", None) or {})
-    check_rope_parameters(rope)
-    if not 0 < draft_vocab_size <= c.vocab_size:
-        raise UserError(f"draft_vocab_size {draft_vocab_size} must lie in [1, target vocab {c.vocab_size}]")
-    if drafter_cfg.arch == "qwen3" and getattr(c, "head_dim", None) is None:
-        raise UserError("drafter.arch=qwen3 needs a target config with head_dim")
-    return DrafterDims(
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_heads=c.num_attention_heads,
-        num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_parameters=rope,
-        max_position_embeddings=c.max_position_embeddings,
-        vocab_size=c.vocab_size,
-        draft_vocab_size=draft_vocab_size,
-        target_hidden_size=c.hidden_size,
-        num_aux=num_aux,
-    )
-
-
-def check_rope_parameters(rope: dict) -> None:
-    """Reject RoPE variants the drafter does not implement (it must rotate exactly like vLLM will)."""
-    if "rope_theta" not in rope:
-        raise UserError(f"target rope_parameters {rope} has no rope_theta (expected transformers>=5 format)")
-    rope_type = rope.get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UserError(f"target rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UserError(f"partial_rotary_factor {rope['partial_rotary_factor']} is not supported (need 1.0)")
 
 
 def rope_inv_freq(head_dim: int, rope: dict, device=None) -> torch.Tensor:
@@ -163,16 +94,17 @@ class RMSNorm(nn.Module):
 class DrafterAttention(nn.Module):
     """q/k/v/o projections (+ Qwen3 per-head q_norm/k_norm); the score computation is supplied by the caller."""
 
-    def __init__(self, dims: DrafterDims, in_size: int, qk_norm: bool):
+    def __init__(self, spec: DrafterSpec, in_size: int):
         super().__init__()
-        d = dims.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, d
-        self.q_proj = nn.Linear(in_size, dims.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(in_size, dims.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(in_size, dims.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(dims.num_heads * d, dims.hidden_size, bias=False)
-        self.q_norm = RMSNorm(d, dims.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(d, dims.rms_norm_eps) if qk_norm else None
+        d, heads, kv_heads = spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, d
+        self.q_proj = nn.Linear(in_size, heads * d, bias=False)
+        self.k_proj = nn.Linear(in_size, kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(in_size, kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(heads * d, spec.hidden_size, bias=False)
+        qk_norm = spec.arch == "qwen3"
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps) if qk_norm else None
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         B, T, _ = x.shape
@@ -189,11 +121,11 @@ class DrafterAttention(nn.Module):
 
 
 class DrafterMLP(nn.Module):
-    def __init__(self, dims: DrafterDims):
+    def __init__(self, spec: DrafterSpec):
         super().__init__()
-        self.gate_proj = nn.Linear(dims.hidden_size, dims.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(dims.hidden_size, dims.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -202,17 +134,17 @@ class DrafterMLP(nn.Module):
 class DrafterLayer(nn.Module):
     """Layer 0 reads cat(input_layernorm(embed), hidden_norm(h)) (width 2H); later layers are plain Llama layers."""
 
-    def __init__(self, dims: DrafterDims, cfg: DrafterConfig, layer_idx: int):
+    def __init__(self, spec: DrafterSpec, layer_idx: int):
         super().__init__()
-        H = dims.hidden_size
+        H, eps = spec.hidden_size, spec.rms_norm_eps
         self.layer_idx = layer_idx
-        self.norm_before_residual = cfg.norm_before_residual
-        self.input_layernorm = RMSNorm(H, dims.rms_norm_eps)
-        self.hidden_norm = RMSNorm(H, dims.rms_norm_eps) if layer_idx == 0 else None
+        self.norm_before_residual = spec.norm_before_residual
+        self.input_layernorm = RMSNorm(H, eps)
+        self.hidden_norm = RMSNorm(H, eps) if layer_idx == 0 else None
         in_size = 2 * H if layer_idx == 0 else H
-        self.self_attn = DrafterAttention(dims, in_size, qk_norm=cfg.arch == "qwen3")
-        self.post_attention_layernorm = RMSNorm(H, dims.rms_norm_eps)
-        self.mlp = DrafterMLP(dims)
+        self.self_attn = DrafterAttention(spec, in_size)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = DrafterMLP(spec)
 
     def forward(self, embeds, h, cos, sin, attention: AttentionFn) -> torch.Tensor:
         # --- attention (vLLM llama_eagle3.LlamaDecoderLayer.forward) ---
@@ -232,31 +164,30 @@ class DrafterLayer(nn.Module):
 class Drafter(nn.Module):
     """state_dict() is the vLLM tensor set; `mask_hidden` exists only for parallel drafting (P-EAGLE).
 
-    embed_tokens is frozen (EAGLE-3) unless parallel_drafting, where the mask token's embedding is trained.
+    embed_tokens is frozen (EAGLE-3) unless parallel drafting, where the mask token's embedding is trained.
     """
 
-    def __init__(self, dims: DrafterDims, cfg: DrafterConfig, *, parallel_drafting: bool = False):
+    def __init__(self, spec: DrafterSpec):
         super().__init__()
-        self.dims, self.cfg = dims, cfg
-        fc_in = dims.num_aux * dims.target_hidden_size
-        eps = dims.rms_norm_eps
-        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
-        self.embed_tokens.weight.requires_grad_(parallel_drafting)
-        self.input_norm = RMSNorm(fc_in, eps) if cfg.norm_before_fc else None
+        self.spec = spec
+        fc_in, eps, parallel = spec.fc_input_size, spec.rms_norm_eps, spec.parallel_drafting
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens.weight.requires_grad_(parallel)
+        self.input_norm = RMSNorm(fc_in, eps) if spec.norm_before_fc else None
         self.fc_norm = (
-            nn.ModuleList([RMSNorm(dims.target_hidden_size, eps) for _ in range(dims.num_aux)])
-            if cfg.fc_norm
+            nn.ModuleList([RMSNorm(spec.target_hidden_size, eps) for _ in range(spec.num_aux)])
+            if spec.fc_norm
             else None
         )
-        self.fc = nn.Linear(fc_in, dims.hidden_size, bias=False)
-        self.layers = nn.ModuleList([DrafterLayer(dims, cfg, i) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(dims.hidden_size, eps)
-        self.lm_head = nn.Linear(dims.hidden_size, dims.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(dims.draft_vocab_size, dtype=torch.int64))
-        t2d = torch.zeros(dims.vocab_size, dtype=torch.bool)
-        t2d[: dims.draft_vocab_size] = True  # identity map until init_drafter_from_target sets the real one
+        self.fc = nn.Linear(fc_in, spec.hidden_size, bias=False)
+        self.layers = nn.ModuleList([DrafterLayer(spec, i) for i in range(spec.num_hidden_layers)])
+        self.norm = RMSNorm(spec.hidden_size, eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
+        t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
+        t2d[: spec.draft_vocab_size] = True  # identity map until init_drafter_from_target sets the real one
         self.register_buffer("t2d", t2d)
-        self.mask_hidden = nn.Parameter(0.02 * torch.randn(1, fc_in)) if parallel_drafting else None
+        self.mask_hidden = nn.Parameter(0.02 * torch.randn(1, fc_in)) if parallel else None
 
     def combine_aux_hidden_states(self, aux: torch.Tensor) -> torch.Tensor:
         """[B, T, n_aux * H_t] -> [B, T, H]: optional norms, then fc (vLLM `combine_hidden_states`).
@@ -267,16 +198,16 @@ class Drafter(nn.Module):
         if self.input_norm is not None:
             aux = self.input_norm(aux)
         if self.fc_norm is not None:
-            chunks = aux.chunk(self.dims.num_aux, dim=-1)  # n_aux x [B, T, H_t], ascending aux ids
+            chunks = aux.chunk(self.spec.num_aux, dim=-1)  # n_aux x [B, T, H_t], ascending aux ids
             aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux)
 
     def rope_cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype):
         """cos, sin [B, 1, T, d]; angles in float64 so large positions stay exact, then cast to `dtype`."""
-        inv_freq = rope_inv_freq(self.dims.head_dim, self.dims.rope_parameters, position_ids.device)
+        inv_freq = rope_inv_freq(self.spec.head_dim, self.spec.rope_parameters, position_ids.device)
         angles = position_ids.to(torch.float64)[..., None] * inv_freq  # [B, T, d/2]
         angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, T, d]
-        scale = rope_attention_factor(self.dims.rope_parameters)
+        scale = rope_attention_factor(self.spec.rope_parameters)
         return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
     def forward_step(self, input_ids, hidden, position_ids, attention: AttentionFn, apply_lm_head: bool = True):
@@ -292,7 +223,7 @@ class Drafter(nn.Module):
         for layer in self.layers:
             h = layer(embeds, h, cos, sin, attention)
         normed = self.norm(h)
-        next_hidden = normed if self.cfg.norm_output else h
+        next_hidden = normed if self.spec.norm_output else h
         if not apply_lm_head:
             return next_hidden, normed
         return next_hidden, self.lm_head(normed)  # [B, T, V_d]
@@ -312,8 +243,8 @@ def init_drafter_from_target(drafter: Drafter, target_embed_weight, d2t, t2d) ->
     for name, (shape, tensor) in expected.items():
         if tuple(tensor.shape) != shape:
             raise UserError(f"{name} has shape {tuple(tensor.shape)}, the drafter expects {shape}")
-    if int(t2d.sum()) != drafter.dims.draft_vocab_size:
-        raise UserError(f"t2d marks {int(t2d.sum())} tokens, expected draft_vocab_size {drafter.dims.draft_vocab_size}")
+    if int(t2d.sum()) != drafter.spec.draft_vocab_size:
+        raise UserError(f"t2d marks {int(t2d.sum())} tokens, expected draft_vocab_size {drafter.spec.draft_vocab_size}")
     drafter.embed_tokens.weight.copy_(target_embed_weight)
     drafter.d2t.copy_(d2t)
     drafter.t2d.copy_(t2d)

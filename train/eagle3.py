@@ -8,7 +8,7 @@ import logging
 
 from draftsmith.data.cli import build_arg_parser, log_run_header, parse_run_args, run_entry
 from draftsmith.data.config import RunConfig
-from draftsmith.train.build import build_drafter, drafter_spec, load_checked_dataset, load_teacher_head
+from draftsmith.train.build import build_drafter, build_drafter_spec, load_checked_dataset, load_teacher_head
 from draftsmith.train.distributed import build_accelerator
 from draftsmith.train.loop import Method, run_training
 from draftsmith.train.loss import teacher_targets, ttt_loss
@@ -31,7 +31,7 @@ def ttt_row_loss(model, row: dict, teacher_weight, t2d, cfg: RunConfig, attentio
     return ttt_loss(model.lm_head.weight, states, teacher, step_masks, cfg.ttt.step_weight)
 
 
-def build_method(cfg: RunConfig, model, hf_cfg, target_path, aux_ids, device) -> Method:
+def build_method(cfg: RunConfig, model, target_path, device) -> Method:
     teacher_weight = load_teacher_head(target_path).to(device)
     t2d = model.t2d.to(device)
     attention = pick_attention_impl(cfg.train.attention, device)
@@ -39,8 +39,7 @@ def build_method(cfg: RunConfig, model, hf_cfg, target_path, aux_ids, device) ->
     def row_loss(drafter, row):
         return ttt_row_loss(drafter, row, teacher_weight, t2d, cfg, attention)
 
-    return Method(name="eagle3", row_loss=row_loss,
-                  drafter_spec=drafter_spec(cfg, model, hf_cfg, target_path, aux_ids, "eagle3"))
+    return Method(name="eagle3", row_loss=row_loss, drafter_spec=model.spec)
 
 
 def main(argv=None) -> None:
@@ -48,8 +47,8 @@ def main(argv=None) -> None:
     log_run_header("train/eagle3", args.config)
     acc = build_accelerator(cfg)
     train_ds, heldout_ds, aux_ids, target_path, hf_cfg = load_checked_dataset(cfg, acc.device)
-    model = build_drafter(cfg, hf_cfg, target_path, aux_ids, parallel_drafting=False)
-    method = build_method(cfg, model, hf_cfg, target_path, aux_ids, acc.device)
+    model = build_drafter(cfg, build_drafter_spec(cfg, hf_cfg, target_path, aux_ids, "eagle3"), target_path)
+    method = build_method(cfg, model, target_path, acc.device)
     run_training(cfg, acc, model, method, train_ds, heldout_ds)
 
 if __name__ == "__main__":

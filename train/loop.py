@@ -28,6 +28,7 @@ from draftsmith.train.metrics_log import MetricsLog
 from draftsmith.train.muon import MuonWithAdamW
 from draftsmith.train.objective import DrafterObjective, RowLoss
 from draftsmith.train.packing import DataPosition, pack_planned_row, plan_eval_rows, plan_next_row
+from draftsmith.train.spec import DrafterSpec
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class Method:
 
     name: str
     row_loss: RowLoss
-    drafter_spec: dict  # what export needs besides the weights
+    drafter_spec: DrafterSpec  # what export needs besides the weights
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
@@ -98,7 +99,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, accelerator, drafter, method: Method, train_ds, heldout_ds):
         self.cfg, self.acc, self.method = cfg, accelerator, method
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
-        self.out = cfg.run_dir() / "train"
+        self.paths = cfg.paths
         model = DrafterObjective(drafter, method.row_loss)
         opt, sched = build_optimizer(model, cfg.train)
         self.model, self.opt, self.sched = accelerator.prepare(model, opt, sched)
@@ -112,10 +113,10 @@ class Trainer:
         self.eval_rows: dict[int, dict] = {}  # this process's packed held-out rows, read once
         self.pos, self.step, self.best = DataPosition(), 0, -1.0
         self.best_k = cfg.export.num_speculative_tokens[0]
-        self.log = MetricsLog(self.out, cfg, enabled=accelerator.is_main_process)
+        self.log = MetricsLog(self.paths, cfg, enabled=accelerator.is_main_process)
 
     def resume_if_possible(self) -> None:
-        ckpt = latest_checkpoint(self.out / "checkpoints")
+        ckpt = latest_checkpoint(self.paths.checkpoints)
         if ckpt is None:
             return
         state = load_checkpoint(self.acc, ckpt)
@@ -124,7 +125,7 @@ class Trainer:
         if state["config_sha256"] != config_sha256(self.cfg) and stored != resumable_config(self.cfg):
             raise UserError(f"{ckpt} was made with a different config; differing fields: "
                              f"{diff_fields(stored, resumable_config(self.cfg))}. "
-                             f"Use another output_dir or delete {self.out}")
+                             f"Use another output_dir or delete {self.paths.train}")
         self.step, self.best = state["step"], state["best"]
         self.pos.load_state_dict(state["data_position"])
         self.acc.step = 0  # accelerate's micro-step counter: a step boundary, whatever grad_accum was before
@@ -159,7 +160,7 @@ class Trainer:
             local["count"] += metrics["count"]
         totals = self.reduce_step_metrics(local)
         if totals["nonfinite"]:
-            last = latest_checkpoint(self.out / "checkpoints")
+            last = latest_checkpoint(self.paths.checkpoints)
             raise FloatingPointError(f"non-finite loss on {int(totals['nonfinite'])} micro-batch(es) at step "
                                      f"{self.step + 1}; last good checkpoint: {last or 'none'}")
         grad_norm = 0.0
@@ -216,11 +217,11 @@ class Trainer:
             score = al[str(min(self.best_k, max(int(k) for k in al)))]
             if score > self.best:  # the same on every process: the evaluation was reduced
                 if self.acc.is_main_process:
-                    save_drafter_bundle(self.out / "best", state, self.method.drafter_spec,
+                    save_drafter_bundle(self.paths.best, state, self.method.drafter_spec,
                                         {"step": self.step, "eval": eval_result})
-                    atomic_write_json(self.out / "eval_heldout.json", {**eval_result, "step": self.step})
+                    atomic_write_json(self.paths.eval_heldout, {**eval_result, "step": self.step})
                 self.best = score
-        save_checkpoint(self.acc, self.out / "checkpoints", self.step, {
+        save_checkpoint(self.acc, self.paths.checkpoints, self.step, {
             "step": self.step, "best": self.best, "data_position": self.pos.state_dict(),
             "world_size": self.world, "config_sha256": config_sha256(self.cfg),
             "resumable_config": resumable_config(self.cfg), "config": config_to_dict(self.cfg)},
@@ -272,7 +273,7 @@ def diff_fields(a: dict, b: dict, prefix: str = "") -> list[str]:
 def run_training(cfg: RunConfig, accelerator, drafter, method: Method, train_ds, heldout_ds) -> None:
     """Resume (when the run folder holds a checkpoint), train to the end, and close the accelerator."""
     if accelerator.is_main_process:
-        save_resolved_config(cfg, cfg.run_dir() / "train" / "config.yaml")
+        save_resolved_config(cfg, cfg.paths.train_config_copy)
     trainer = Trainer(cfg, accelerator, drafter, method, train_ds, heldout_ds)
     try:
         trainer.resume_if_possible()

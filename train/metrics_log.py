@@ -10,12 +10,12 @@ import json
 import logging
 import os
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from draftsmith.data.config import RunConfig, config_to_dict
+from draftsmith.data.run_paths import RunPaths
 from draftsmith.train.loss import simulated_acceptance_length
 
 logger = logging.getLogger(__name__)
@@ -33,16 +33,16 @@ def peak_memory_gib() -> float:
 
 
 class MetricsLog:
-    def __init__(self, out_dir: Path, cfg: RunConfig, enabled: bool):
-        self.enabled, self.out = enabled, Path(out_dir)
+    def __init__(self, paths: RunPaths, cfg: RunConfig, enabled: bool):
+        self.enabled, self.out = enabled, paths.train
         self.tb = self.wandb = self.bar = None
         if not enabled:
             return
         self.out.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.out / "metrics.jsonl", "a")
+        self.jsonl = open(paths.metrics, "a")
         from torch.utils.tensorboard import SummaryWriter
 
-        self.tb = SummaryWriter(str(self.out / "tensorboard"))
+        self.tb = SummaryWriter(str(paths.tensorboard))
         if importlib.util.find_spec("wandb") is not None:
             import wandb
 

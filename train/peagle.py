@@ -13,7 +13,7 @@ from safetensors import safe_open
 from draftsmith.data.cli import build_arg_parser, log_run_header, parse_run_args, run_entry
 from draftsmith.data.config import RunConfig
 from draftsmith.data.errors import UserError
-from draftsmith.train.build import build_drafter, drafter_spec, load_checked_dataset, load_teacher_head
+from draftsmith.train.build import build_drafter, build_drafter_spec, load_checked_dataset, load_teacher_head
 from draftsmith.train.distributed import build_accelerator
 from draftsmith.train.loop import Method, run_training
 from draftsmith.train.packing import row_noise
@@ -91,18 +91,17 @@ def peagle_row_loss(model, row: dict, teacher_weight, t2d, cfg: RunConfig, setup
     return parallel_loss(model, shifted, anchor, depth, setup)
 
 
-def build_method(cfg: RunConfig, model, hf_cfg, target_path, aux_ids, device, mask_token_id: int) -> Method:
+def build_method(cfg: RunConfig, model, target_path, device) -> Method:
     teacher_weight = load_teacher_head(target_path).to(device)
     t2d = model.t2d.to(device)
-    setup = ParallelSetup(mask_token_id=mask_token_id, num_depths=cfg.peagle.num_depths,
+    setup = ParallelSetup(mask_token_id=model.spec.mask_token_id, num_depths=cfg.peagle.num_depths,
                           partition_elements=cfg.peagle.partition_elements,
                           attention_impl=pick_attention_impl(cfg.train.attention, device))
 
     def row_loss(drafter, row):
         return peagle_row_loss(drafter, row, teacher_weight, t2d, cfg, setup)
 
-    spec = drafter_spec(cfg, model, hf_cfg, target_path, aux_ids, "peagle", mask_token_id=mask_token_id)
-    return Method(name="peagle", row_loss=row_loss, drafter_spec=spec)
+    return Method(name="peagle", row_loss=row_loss, drafter_spec=model.spec)
 
 
 def check_peagle_config(cfg: RunConfig) -> None:
@@ -119,9 +118,10 @@ def main(argv=None) -> None:
     check_peagle_config(cfg)
     acc = build_accelerator(cfg)
     train_ds, heldout_ds, aux_ids, target_path, hf_cfg = load_checked_dataset(cfg, acc.device)
-    model = build_drafter(cfg, hf_cfg, target_path, aux_ids, parallel_drafting=True)
-    mask_token_id = choose_mask_token_id(target_path, [train_ds, heldout_ds], model.dims.vocab_size)
-    method = build_method(cfg, model, hf_cfg, target_path, aux_ids, acc.device, mask_token_id)
+    mask_token_id = choose_mask_token_id(target_path, [train_ds, heldout_ds], hf_cfg.get_text_config().vocab_size)
+    spec = build_drafter_spec(cfg, hf_cfg, target_path, aux_ids, "peagle", mask_token_id=mask_token_id)
+    model = build_drafter(cfg, spec, target_path)
+    method = build_method(cfg, model, target_path, acc.device)
     run_training(cfg, acc, model, method, train_ds, heldout_ds)
 
 if __name__ == "__main__":

@@ -35,9 +35,10 @@ def test_a_finished_dataset_with_the_same_recipe_is_left_untouched(tiny_target_d
                       "data: {prompts: {max_prompts: 4}, regenerate: {enabled: false}, draft_vocab_size: 16}\n")
     cfg, _ = load_config(str(config))
     identity = target_identity(str(tiny_target_dir), AutoConfig.from_pretrained(tiny_target_dir))
-    out = cfg.dataset_dir()
+    ds = cfg.paths.dataset
+    out = ds.dir
     out.mkdir(parents=True)
-    assert not finished_with_same_recipe(out, data_recipe_sha256(cfg, identity, [1, 2, 3]))
+    assert not finished_with_same_recipe(ds, data_recipe_sha256(cfg, identity, [1, 2, 3]))
     atomic_write_json(out / "manifest.json", {"data_recipe_sha256": data_recipe_sha256(cfg, identity, [1, 2, 3])})
     before = (out / "manifest.json").read_bytes()
     main(["--config", str(config)])  # would load the tokenizer the tiny target lacks if it built anything
@@ -45,7 +46,7 @@ def test_a_finished_dataset_with_the_same_recipe_is_left_untouched(tiny_target_d
     assert (out / "manifest.json").read_bytes() == before
     # a manifest from before the recipe hash (or another recipe) means: build as usual
     atomic_write_json(out / "manifest.json", {"config_sha256": "old"})
-    assert not finished_with_same_recipe(out, data_recipe_sha256(cfg, identity, [1, 2, 3]))
+    assert not finished_with_same_recipe(ds, data_recipe_sha256(cfg, identity, [1, 2, 3]))
 
 
 def test_earlier_turns_are_trained_without_regeneration_or_when_asked():

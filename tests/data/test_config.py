@@ -15,7 +15,7 @@ def _write(tmp_path, text):
 
 def test_demo_config_loads_with_defaults_and_name():
     cfg, sources = load_config("smollm2-demo")
-    assert cfg.name == "smollm2-demo" and str(cfg.run_dir()) == "runs/smollm2-demo"
+    assert cfg.name == "smollm2-demo" and str(cfg.paths.run) == "runs/smollm2-demo"
     assert sources["train.lr"] == "yaml" and sources["train.grad_clip"] == "default"
 
 
@@ -87,8 +87,9 @@ def test_overrides_may_follow_options():
 
 def test_dataset_dir_defaults_to_the_run_folder_and_can_be_shared():
     cfg, _ = load_config("smollm2-demo")
-    assert str(cfg.dataset_dir()) == "runs/smollm2-demo/dataset"
+    assert str(cfg.paths.dataset.dir) == "runs/smollm2-demo/dataset"
     peagle, _ = load_config("smollm2-peagle")
-    assert peagle.dataset_dir() == cfg.dataset_dir() and peagle.run_dir() != cfg.run_dir()
+    assert peagle.paths.dataset == cfg.paths.dataset and peagle.paths.run != cfg.paths.run
+    assert peagle.paths.drafter == peagle.paths.run / "drafter" and str(peagle.paths.run) == "runs/smollm2-peagle"
     # sharing a dataset only makes sense with the same data recipe: the two demo configs must agree
     assert peagle.data == dataclasses.replace(cfg.data, dataset_dir=peagle.data.dataset_dir)

@@ -15,6 +15,7 @@ from draftsmith.data.target import (
     snapshot_revision,
 )
 from draftsmith.train import eagle3
+from draftsmith.train.checkpoint import load_drafter_bundle
 
 REPO_ID = "draftsmith-test/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -62,5 +63,5 @@ def test_training_on_a_hub_id_target(offline_hub_cache, tiny_run, tmp_path):
     """The dataset was captured from the folder; training names the target by its id (same config hash)."""
     cfg = tiny_run(tmp_path, {"target": {"name_or_path": REPO_ID}, "train": {"max_steps": 2, "eval_every": 2}})
     eagle3.main(["--config", cfg])
-    spec = json.loads((tmp_path / "run" / "train" / "best" / "drafter.json").read_text())
-    assert spec["verifier"]["name_or_path"] == REPO_ID
+    _, spec, _ = load_drafter_bundle(tmp_path / "run" / "train" / "best")
+    assert spec.verifier_name_or_path == REPO_ID

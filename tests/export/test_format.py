@@ -3,6 +3,7 @@ config classes read it (no engine)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,9 +12,10 @@ from safetensors.torch import load_file
 
 from draftsmith.export import format as fmt
 from draftsmith.export.write import PROVENANCE, write_drafter_folder
+from draftsmith.train.spec import DrafterSpec
 
 
-def make_spec(**overrides) -> dict:
+def make_spec(**overrides) -> DrafterSpec:
     """A small SmolLM2-shaped drafter spec: H=64, 4 heads of 16, 2 KV heads, V_t=512, V_d=128."""
     spec = {
         "method": "eagle3",
@@ -38,10 +40,11 @@ def make_spec(**overrides) -> dict:
         "mask_token_id": None,
         "bos_token_id": 1,
         "eos_token_id": 2,
-        "verifier": {"name_or_path": "/models/target", "architectures": ["LlamaForCausalLM"]},
+        "verifier_name_or_path": "/models/target",
+        "verifier_architectures": ["LlamaForCausalLM"],
     }
     spec.update(overrides)
-    return spec
+    return DrafterSpec.from_dict(spec)
 
 
 EAGLE31 = {"fc_norm": True, "norm_output": True}
@@ -55,17 +58,17 @@ SPECS = {
 }
 
 
-def random_state_dict(spec: dict, dtype=torch.bfloat16, seed: int = 0) -> dict[str, torch.Tensor]:
+def random_state_dict(spec: DrafterSpec, dtype=torch.bfloat16, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random tensors of exactly the expected shapes, with a valid d2t/t2d (every 4th target id)."""
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for name, (shape, want) in fmt.expected_tensors(spec).items():
         if want is None:
             sd[name] = (1 + 0.1 * torch.randn(shape, generator=g)).to(dtype)
-    if fmt.has_vocab_map(spec):
-        used = torch.arange(spec["draft_vocab_size"]) * (spec["vocab_size"] // spec["draft_vocab_size"])
-        sd["d2t"] = used - torch.arange(spec["draft_vocab_size"])
-        sd["t2d"] = torch.zeros(spec["vocab_size"], dtype=torch.bool)
+    if spec.has_vocab_map:
+        used = torch.arange(spec.draft_vocab_size) * (spec.vocab_size // spec.draft_vocab_size)
+        sd["d2t"] = used - torch.arange(spec.draft_vocab_size)
+        sd["t2d"] = torch.zeros(spec.vocab_size, dtype=torch.bool)
         sd["t2d"][used] = True
     return sd
 
@@ -198,20 +201,12 @@ def test_select_export_tensors_drops_what_vllm_takes_elsewhere():
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_trainer_drafter_state_dict_is_the_export_set(name):
     """The trainer's nn.Module and this contract name the same tensors (train/drafter.py attributes)."""
-    from draftsmith.data.config import DrafterConfig
-    from draftsmith.train.drafter import Drafter, DrafterDims
+    from draftsmith.train.drafter import Drafter
 
     spec = SPECS[name]
-    dims = DrafterDims(
-        hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-        rope_parameters=spec["rope_parameters"], max_position_embeddings=2048, vocab_size=512,
-        draft_vocab_size=spec["draft_vocab_size"], target_hidden_size=48, num_aux=len(spec["aux_layer_ids"]),
-    )
-    cfg = DrafterConfig(arch=spec["arch"], num_layers=spec["num_hidden_layers"],
-                        **{k: spec[k] for k in fmt.NORM_FLAGS})
-    drafter = Drafter(dims, cfg, parallel_drafting=spec["method"] == "peagle")
+    drafter = Drafter(spec)  # the same spec builds the module and names the export set
     sd = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in drafter.state_dict().items()}
-    if fmt.has_vocab_map(spec):  # a real draft vocab: every 4th target id
+    if spec.has_vocab_map:  # a real draft vocab: every 4th target id
         sd["d2t"], sd["t2d"] = random_state_dict(spec)["d2t"], random_state_dict(spec)["t2d"]
     fmt.check_state_dict(fmt.select_export_tensors(sd, spec), spec, "bfloat16")
 
@@ -230,7 +225,29 @@ def test_trainer_drafter_state_dict_is_the_export_set(name):
 )
 def test_bad_spec_is_rejected(overrides, message):
     with pytest.raises(ValueError, match=message):
-        fmt.expected_tensors(make_spec(**overrides))
+        make_spec(**overrides)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("layout", ["speculators", "legacy"])
+def test_config_json_reads_back_as_the_same_spec(name, layout):
+    """drafter_config and spec_from_drafter_config are inverses (the legacy layout names no verifier)."""
+    spec = SPECS[name]
+    back = fmt.spec_from_drafter_config(json.loads(json.dumps(fmt.drafter_config(spec, layout, 3))))
+    if layout == "legacy":
+        spec = dataclasses.replace(spec, verifier_name_or_path="", verifier_architectures=())
+    assert back == spec
+
+
+def test_speculators_own_config_reads_with_vllm_defaults():
+    """speculators' trainer writes target_hidden_size null and leaves fc_norm/norm_output out."""
+    config = fmt.speculators_config(SPECS["eagle3"], 3)
+    config["target_hidden_size"] = None
+    del config["fc_norm"], config["norm_output"], config["norm_before_residual"]
+    back = fmt.spec_from_drafter_config(config)
+    assert back.target_hidden_size == 64 and not back.fc_norm and back.norm_before_residual  # vLLM's eagle3 default
+    with pytest.raises(ValueError, match="missing 'draft_vocab_size'"):
+        fmt.spec_from_drafter_config({k: v for k, v in config.items() if k != "draft_vocab_size"})
 
 
 # ---- write.py ---------------------------------------------------------------------------------------------

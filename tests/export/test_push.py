@@ -4,6 +4,8 @@ import json
 import pytest
 
 from draftsmith.export import push
+from draftsmith.export.format import speculators_config
+from draftsmith.train.spec import DrafterSpec
 
 VALIDATION = {"method": "eagle3", "num_speculative_tokens": 3, "acceptance_length": 2.1,
               "acceptance_rate_per_position": [0.6, 0.35, 0.15], "lossless": True, "num_prompts": 48,
@@ -15,10 +17,13 @@ VALIDATION = {"method": "eagle3", "num_speculative_tokens": 3, "acceptance_lengt
 def _run_dir(tmp_path):
     run = tmp_path / "run"
     (run / "drafter").mkdir(parents=True)
-    (run / "drafter" / "config.json").write_text(json.dumps({
-        "speculators_model_type": "eagle3", "draft_vocab_size": 16384, "eagle_aux_hidden_state_layer_ids": [2, 15, 27],
-        "transformer_layer_config": {"num_hidden_layers": 1, "hidden_size": 576},
-        "speculators_config": {"verifier": {"name_or_path": "/cache/smollm2"}}}))
+    # the exporter's own config.json (SmolLM2-shaped, as the demo writes it); the weights are not read
+    spec = DrafterSpec(method="eagle3", arch="llama", hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                       num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                       rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, max_position_embeddings=8192,
+                       vocab_size=49152, num_hidden_layers=1, target_hidden_size=576, draft_vocab_size=16384,
+                       aux_layer_ids=(2, 15, 27), verifier_name_or_path="/cache/smollm2")
+    (run / "drafter" / "config.json").write_text(json.dumps(speculators_config(spec, 3)))
     (run / "drafter" / "model.safetensors").write_bytes(b"weights")
     (run / "validation.json").write_text(json.dumps(VALIDATION))
     cfg = tmp_path / "c.yaml"
@@ -40,13 +45,17 @@ def test_dry_run_writes_the_upload_folder_and_lists_it(tmp_path, capsys, monkeyp
     assert "| 3 | 2.100 | 0.150 |" in card  # the acceptance table comes from validation.json
     assert '"num_speculative_tokens": 2' in card  # the recommended K goes into the serve line
     assert "lossless" in card and "**True**" in card and "n-gram 1.400" in card
+    assert "library_name: vllm" in card and "- eagle3" in card and "aux layers [2, 15, 27]" in card
+    assert "base_model" not in card  # the verifier is a local folder, not a Hub id
 
 
 def test_real_push_without_token_fails_before_network(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-cached-login"))
     _, cfg = _run_dir(tmp_path)
-    with pytest.raises(ValueError, match="HF_TOKEN"):
+    with pytest.raises(ValueError, match="hf auth login"):
         push.main(["--config", cfg, "--repo-id", "me/smol-drafter"])
 
 

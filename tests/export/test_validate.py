@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from draftsmith.data.cli import run_entry
+from draftsmith.data.config import DrafterConfig
+from draftsmith.export import acceptance, serve, server, spec_metrics, validate
 from draftsmith.export import format as fmt
-from draftsmith.export import serve, validate
 from draftsmith.export.report import plot_acceptance, render_markdown
 from draftsmith.export.write import write_drafter_folder
+from draftsmith.train.spec import spec_for_target
 
 METRICS_BEFORE = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -46,50 +48,50 @@ METRICS_AFTER = (METRICS_BEFORE.replace('"0",model_name="target"} 10.0', '"0",mo
 
 
 def test_parse_spec_counters_sums_engines():
-    c = serve.parse_spec_counters(METRICS_BEFORE)
+    c = spec_metrics.parse_spec_counters(METRICS_BEFORE)
     assert (c.drafts, c.draft_tokens, c.accepted) == (15.0, 45.0, 15.0)
     assert c.accepted_per_pos == (9.0, 5.0, 1.0)
 
 
 def test_parse_spec_counters_without_speculation_is_zero():
-    c = serve.parse_spec_counters('vllm:generation_tokens_total{engine="0",model_name="target"} 99.0\n')
-    assert c == serve.SpecCounters()
-    assert serve.acceptance_length(c) == 1.0
+    c = spec_metrics.parse_spec_counters('vllm:generation_tokens_total{engine="0",model_name="target"} 99.0\n')
+    assert c == spec_metrics.SpecCounters()
+    assert acceptance.acceptance_length(c) == 1.0
 
 
 def test_counter_delta_gives_acceptance():
-    delta = serve.parse_spec_counters(METRICS_AFTER) - serve.parse_spec_counters(METRICS_BEFORE)
+    delta = spec_metrics.parse_spec_counters(METRICS_AFTER) - spec_metrics.parse_spec_counters(METRICS_BEFORE)
     assert (delta.drafts, delta.draft_tokens, delta.accepted) == (100.0, 300.0, 100.0)
     assert delta.accepted_per_pos == (60.0, 30.0, 10.0)
-    assert serve.acceptance_length(delta) == pytest.approx(2.0)
-    assert serve.acceptance_rates(delta) == pytest.approx([0.6, 0.3, 0.1])
+    assert acceptance.acceptance_length(delta) == pytest.approx(2.0)
+    assert acceptance.acceptance_rates(delta) == pytest.approx([0.6, 0.3, 0.1])
     # 500 output tokens of which 100 came from accepted drafts: 400 target steps
-    assert serve.tokens_per_target_step(500, delta.accepted) == pytest.approx(1.25)
-    assert serve.tokens_per_target_step(500, 0) == 1.0
+    assert acceptance.tokens_per_target_step(500, delta.accepted) == pytest.approx(1.25)
+    assert acceptance.tokens_per_target_step(500, 0) == 1.0
 
 
 def test_acceptance_length_by_k_is_prefix_sum():
-    assert serve.acceptance_length_by_k([0.6, 0.3, 0.1]) == pytest.approx({1: 1.6, 2: 1.9, 3: 2.0})
+    assert acceptance.acceptance_length_by_k([0.6, 0.3, 0.1]) == pytest.approx({1: 1.6, 2: 1.9, 3: 2.0})
 
 
 def test_fit_step_cost_and_recommended_k():
     # 10 ms without drafting, 22 ms with K=3: c0 = 10 ms, c_draft = 4 ms
-    c0, c_draft = serve.fit_step_cost([(0, 0.010), (3, 0.022)])
+    c0, c_draft = acceptance.fit_step_cost([(0, 0.010), (3, 0.022)])
     assert (c0, c_draft) == (pytest.approx(0.010), pytest.approx(0.004))
     # tokens per ms: K=0 1/10 = .1, K=1 1.6/14 = .1143, K=2 1.9/18 = .1056, K=3 2.0/22 = .0909
-    best, speed = serve.recommend_k([0.6, 0.3, 0.1], c0, c_draft)
+    best, speed = acceptance.recommend_k([0.6, 0.3, 0.1], c0, c_draft)
     assert best == 1
     assert speed[1] == pytest.approx(1.6 / 0.014)
-    assert serve.recommend_k([0.0, 0.0, 0.0], c0, c_draft)[0] == 0  # a useless drafter: do not draft
-    assert serve.recommend_k([0.95, 0.9, 0.85], c0, c_draft)[0] == 3
+    assert acceptance.recommend_k([0.0, 0.0, 0.0], c0, c_draft)[0] == 0  # a useless drafter: do not draft
+    assert acceptance.recommend_k([0.95, 0.9, 0.85], c0, c_draft)[0] == 3
     # a drafter measured faster than no drafter (noise) costs nothing rather than less than nothing
-    assert serve.fit_step_cost([(0, 0.010), (3, 0.009)]) == (pytest.approx(0.0095), 0.0)
+    assert acceptance.fit_step_cost([(0, 0.010), (3, 0.009)]) == (pytest.approx(0.0095), 0.0)
 
 
 def test_first_mismatch():
-    assert serve.first_mismatch([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) is None
-    assert serve.first_mismatch([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]) == (1, 1)
-    assert serve.first_mismatch([[1, 2, 3]], [[1, 2]]) == (0, 2)
+    assert acceptance.first_mismatch([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) is None
+    assert acceptance.first_mismatch([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]) == (1, 1)
+    assert acceptance.first_mismatch([[1, 2, 3]], [[1, 2]]) == (0, 2)
 
 
 def test_error_excerpt_quotes_vllm_exception(tmp_path):
@@ -99,7 +101,7 @@ def test_error_excerpt_quotes_vllm_exception(tmp_path):
                    "Error while deserializing header: HeaderTooLarge\n"
                    "(EngineCore pid=7) ERROR 11-29 11:21:19 [core.py:1510] Exception: WorkerProc failed\n"
                    "Exception: WorkerProc failed\nRuntimeError: Engine core initialization failed.\n")
-    excerpt = serve.vllm_error_excerpt(log)
+    excerpt = server.vllm_error_excerpt(log)
     assert excerpt.startswith("safetensors_rust.SafetensorError: Error while deserializing header: HeaderTooLarge; "
                               "Exception: WorkerProc failed; RuntimeError: Engine core initialization failed.\n")
 
@@ -125,11 +127,8 @@ def _tiny_target(path: Path) -> Path:
 
 def test_mismatched_drafter_is_refused_before_any_server(tmp_path, capsys):
     target = _tiny_target(tmp_path / "target")
-    drafter = tmp_path / "drafter"
-    drafter.mkdir()
-    (drafter / "config.json").write_text(json.dumps({
-        "speculators_model_type": "eagle3", "target_hidden_size": 576,
-        "transformer_layer_config": {"model_type": "llama", "hidden_size": 64, "vocab_size": 1000}}))
+    drafter = _random_drafter(target, tmp_path / "drafter", aux_layer_ids=(1, 2, 3))
+    _edit_config(drafter, lambda c: c.update(target_hidden_size=576))
     cfg = _write_yaml(tmp_path, tmp_path / "run")
     with pytest.raises(SystemExit) as e:
         run_entry(validate.main, ["--config", str(cfg), "--target", str(target), "--drafter", str(drafter)])
@@ -142,38 +141,27 @@ def test_mismatched_drafter_is_refused_before_any_server(tmp_path, capsys):
 def test_aux_ids_beyond_target_layers_are_refused(tmp_path):
     # vLLM takes id N (the stream after the last layer, before the final norm), as data/layer_ids.py does
     target = _tiny_target(tmp_path / "target")
-    drafter = tmp_path / "drafter"
-    drafter.mkdir()
-    config = {"speculators_model_type": "eagle3", "target_hidden_size": 64, "eagle_aux_hidden_state_layer_ids": [1, 2, 4],
-              "transformer_layer_config": {"model_type": "llama", "hidden_size": 64, "vocab_size": 1000}}
-    (drafter / "config.json").write_text(json.dumps(config))
+    drafter = _random_drafter(target, tmp_path / "drafter", aux_layer_ids=(1, 2, 4))
     assert validate.check_drafter_fits_target(drafter, str(target))["aux_layer_ids"] == [1, 2, 4]
-    config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 5]
-    (drafter / "config.json").write_text(json.dumps(config))
+    _edit_config(drafter, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 5]))
     with pytest.raises(ValueError, match=r"\[1, 2, 5\] but the target has 4 layers \(ids lie in 0..N"):
         validate.check_drafter_fits_target(drafter, str(target))
 
 
 def test_server_env_leaves_the_hub_setting_to_the_caller(monkeypatch):
-    from draftsmith.export import serve
-
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    assert "HF_HUB_OFFLINE" not in serve.server_env()
+    assert "HF_HUB_OFFLINE" not in server.server_env()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert serve.server_env()["HF_HUB_OFFLINE"] == "1"
+    assert server.server_env()["HF_HUB_OFFLINE"] == "1"
 
 
 def test_null_target_hidden_size_means_the_layer_width(tmp_path):
     """speculators' trainer writes "target_hidden_size": null; like vLLM, read it as the drafter's hidden size."""
     target = _tiny_target(tmp_path / "target")
-    drafter = tmp_path / "drafter"
-    drafter.mkdir()
-    config = {"speculators_model_type": "eagle3", "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": [1],
-              "transformer_layer_config": {"model_type": "llama", "hidden_size": 64, "vocab_size": 1000}}
-    (drafter / "config.json").write_text(json.dumps(config))
+    drafter = _random_drafter(target, tmp_path / "drafter", aux_layer_ids=(1,))
+    _edit_config(drafter, lambda c: c.update(target_hidden_size=None))
     assert validate.check_drafter_fits_target(drafter, str(target))["aux_layer_ids"] == [1]
-    config["transformer_layer_config"]["hidden_size"] = 32
-    (drafter / "config.json").write_text(json.dumps(config))
+    _edit_config(drafter, lambda c: c["transformer_layer_config"].update(hidden_size=32, head_dim=8))
     with pytest.raises(ValueError, match="target_hidden_size = 32 but the target has 64"):
         validate.check_drafter_fits_target(drafter, str(target))
 
@@ -181,19 +169,23 @@ def test_null_target_hidden_size_means_the_layer_width(tmp_path):
 # ---- real vLLM servers (slow: 4 server starts, about 6-8 minutes on 2 cores) -------------------------------
 
 
-def _random_drafter(target_dir: Path, out: Path) -> Path:
+def _random_drafter(target_dir: Path, out: Path, aux_layer_ids=(2, 15, 27)) -> Path:
     """A random 1-layer EAGLE-3 drafter for the target, written by the exporter in the speculators format."""
-    tc = json.loads((target_dir / "config.json").read_text())
-    spec = {key: tc[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                                     "head_dim", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
-                                     "vocab_size", "bos_token_id", "eos_token_id")}
-    spec.update(method="eagle3", arch="llama", num_hidden_layers=1, target_hidden_size=tc["hidden_size"],
-                draft_vocab_size=tc["vocab_size"], aux_layer_ids=[2, 15, 27], fc_norm=False, norm_output=False,
-                norm_before_fc=False, norm_before_residual=False, mask_token_id=None,
-                verifier={"name_or_path": str(target_dir), "architectures": tc["architectures"]})
+    from transformers import AutoConfig
+
+    spec = spec_for_target(AutoConfig.from_pretrained(target_dir), DrafterConfig(norm_before_residual=False),
+                           method="eagle3", aux_layer_ids=aux_layer_ids,
+                           draft_vocab_size=AutoConfig.from_pretrained(target_dir).vocab_size,
+                           verifier_name_or_path=str(target_dir))
     g = torch.Generator().manual_seed(0)
     tensors = {name: 0.02 * torch.randn(shape, generator=g) for name, (shape, _) in fmt.expected_tensors(spec).items()}
     return write_drafter_folder(tensors, spec, out, "speculators", "bfloat16", num_speculative_tokens=3)
+
+
+def _edit_config(folder: Path, edit) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
 
 
 def _processes_with_marker(marker: str) -> list[int]:
@@ -266,7 +258,7 @@ def test_refused_drafter_fails_with_vllm_error_and_leaves_no_process(tmp_path, t
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps(PROMPTS[0]) + "\n")
     cfg = _write_yaml(tmp_path, tmp_path / "run", "  max_tokens: 4\n  ngram_baseline: false\n")
-    with pytest.raises(serve.ServerError) as e:
+    with pytest.raises(server.ServerError) as e:
         validate.main(["--config", str(cfg), "--drafter", str(drafter), "--target", str(target_dir),
                        "--prompts", str(prompts)])
     assert "drafter-k3" in str(e.value) and "exited with code" in str(e.value)
@@ -276,7 +268,7 @@ def test_refused_drafter_fails_with_vllm_error_and_leaves_no_process(tmp_path, t
 
 
 def _served(label, token_ids, latencies_s, delta=None):
-    delta = delta or serve.SpecCounters()
+    delta = delta or spec_metrics.SpecCounters()
     return serve.ServedRun(label, token_ids, latencies_s, wall_s=2.0, start_s=90.0, delta=delta)
 
 
@@ -290,12 +282,12 @@ def test_report_from_measured_runs(tmp_path):
     outputs = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]  # 10 output tokens
     runs = {
         # K=3: 4 drafts accepting 2, 1, 1 at positions 0..2: AL 2.0, 10 - 4 = 6 target steps of 60 ms
-        "drafter-k3": _served("drafter-k3", outputs, [0.18, 0.18], serve.SpecCounters(4, 12, 4, (2, 1, 1))),
+        "drafter-k3": _served("drafter-k3", outputs, [0.18, 0.18], spec_metrics.SpecCounters(4, 12, 4, (2, 1, 1))),
         # K=1: 2 accepted, 8 steps of 37.5 ms
-        "drafter-k1": _served("drafter-k1", outputs, [0.15, 0.15], serve.SpecCounters(4, 4, 2, (2,))),
+        "drafter-k1": _served("drafter-k1", outputs, [0.15, 0.15], spec_metrics.SpecCounters(4, 4, 2, (2,))),
         "none": _served("none", outputs, [0.15, 0.15]),  # 10 steps of 30 ms
         "ngram-k3": _served("ngram-k3", [[1, 2, 3, 4, 5], [6, 7, 0, 9, 10]], [0.15, 0.15],
-                            serve.SpecCounters(4, 12, 1, (1, 0, 0))),
+                            spec_metrics.SpecCounters(4, 12, 1, (1, 0, 0))),
     }
     report = validate.build_report(cfg, runs, {"method": "eagle3"}, run_dir / "drafter", "t", default_prompts=True)
     assert report["num_speculative_tokens"] == 3 and report["acceptance_length"] == pytest.approx(2.0)
@@ -315,13 +307,14 @@ def test_report_from_measured_runs(tmp_path):
     mismatch = report["train_serve_mismatch"]
     assert mismatch["checked"] and not mismatch["mismatch"]
     assert mismatch["relative_difference"] == pytest.approx(0.1 / 2.1)
-    assert validate.check_train_serve(run_dir, {"3": 2.1 * 1.12}, default_prompts=True)["mismatch"] is True
-    assert validate.check_train_serve(run_dir, {"3": 2.1 * 0.92}, default_prompts=True)["mismatch"] is False
-    assert validate.check_train_serve(run_dir, {"3": 1.0}, default_prompts=False)["checked"] is False
+    evaluated = cfg.paths.eval_heldout
+    assert validate.check_train_serve(evaluated, {"3": 2.1 * 1.12}, default_prompts=True)["mismatch"] is True
+    assert validate.check_train_serve(evaluated, {"3": 2.1 * 0.92}, default_prompts=True)["mismatch"] is False
+    assert validate.check_train_serve(evaluated, {"3": 1.0}, default_prompts=False)["checked"] is False
     # served deeper than the trainer simulated (K=5 vs 3 TTT steps): compared at the deepest common K
-    deeper = validate.check_train_serve(run_dir, {"1": 1.5, "2": 1.8, "3": 2.0, "4": 2.1, "5": 2.15}, True)
+    deeper = validate.check_train_serve(evaluated, {"1": 1.5, "2": 1.8, "3": 2.0, "4": 2.1, "5": 2.15}, True)
     assert deeper["k"] == 3 and deeper["served_acceptance_length"] == 2.0 and not deeper["mismatch"]
-    assert validate.check_train_serve(run_dir, {"4": 2.0}, True)["checked"] is False
+    assert validate.check_train_serve(evaluated, {"4": 2.0}, True)["checked"] is False
     markdown = render_markdown(report)
     assert "| eagle3 | 3 | 2.00 | 1.67 |" in markdown and "**Recommended K: 1**" in markdown
     plot_acceptance(report, tmp_path / "acc.png")

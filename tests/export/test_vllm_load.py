@@ -6,6 +6,7 @@ norm_before_fc, P-EAGLE with 2 layers) and records which drafter parameters vLLM
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,8 +16,10 @@ import textwrap
 import pytest
 import torch
 
+from draftsmith.data.config import DrafterConfig
 from draftsmith.export import format as fmt
 from draftsmith.export.write import write_drafter_folder
+from draftsmith.train.spec import DrafterSpec, spec_for_target
 
 pytestmark = pytest.mark.slow
 
@@ -85,39 +88,17 @@ SERVE_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def target_spec(target: str, **overrides) -> dict:
-    with open(os.path.join(target, "config.json")) as f:
-        cfg = json.load(f)
-    spec = {
-        "method": "eagle3",
-        "arch": "llama",
-        "hidden_size": cfg["hidden_size"],
-        "intermediate_size": cfg["intermediate_size"],
-        "num_attention_heads": cfg["num_attention_heads"],
-        "num_key_value_heads": cfg["num_key_value_heads"],
-        "head_dim": cfg["head_dim"],
-        "rms_norm_eps": cfg["rms_norm_eps"],
-        "rope_parameters": cfg["rope_parameters"],
-        "max_position_embeddings": cfg["max_position_embeddings"],
-        "vocab_size": cfg["vocab_size"],
-        "num_hidden_layers": 1,
-        "target_hidden_size": cfg["hidden_size"],
-        "draft_vocab_size": 8192,
-        "aux_layer_ids": [2, 15, 27],
-        "fc_norm": False,
-        "norm_output": False,
-        "norm_before_fc": False,
-        "norm_before_residual": False,
-        "mask_token_id": None,
-        "bos_token_id": cfg["bos_token_id"],
-        "eos_token_id": cfg["eos_token_id"],
-        "verifier": {"name_or_path": target, "architectures": cfg["architectures"]},
-    }
-    spec.update(overrides)
-    return spec
+def target_spec(target: str, **overrides) -> DrafterSpec:
+    """The trainers' spec for a 1-layer drafter of `target` (draft vocab 8192), with `overrides` applied."""
+    from transformers import AutoConfig
+
+    spec = spec_for_target(AutoConfig.from_pretrained(target), DrafterConfig(norm_before_residual=False),
+                           method="eagle3", aux_layer_ids=[2, 15, 27], draft_vocab_size=8192,
+                           verifier_name_or_path=target)
+    return dataclasses.replace(spec, **overrides)
 
 
-def random_drafter(spec: dict, seed: int) -> dict[str, torch.Tensor]:
+def random_drafter(spec: DrafterSpec, seed: int) -> dict[str, torch.Tensor]:
     """Small random weights (norms near 1), d2t over every 6th target id: what a trainer would hold."""
     g = torch.Generator().manual_seed(seed)
     sd = {}
@@ -125,13 +106,13 @@ def random_drafter(spec: dict, seed: int) -> dict[str, torch.Tensor]:
         if want is None:
             base = 1.0 if len(shape) == 1 else 0.0
             sd[name] = base + 0.02 * torch.randn(shape, generator=g)
-    v_d, v_t = spec["draft_vocab_size"], spec["vocab_size"]
+    v_d, v_t = spec.draft_vocab_size, spec.vocab_size
     used = torch.arange(v_d) * (v_t // v_d)
     sd["d2t"], sd["t2d"] = used - torch.arange(v_d), torch.zeros(v_t, dtype=torch.bool)
     sd["t2d"][used] = True
     # eagle3 holds a frozen copy of the target's embedding too; the writer leaves it out. P-EAGLE trains its own
     # (the mask token's row above all), so it gets distinct values the loaded model can be checked against.
-    sd.setdefault("embed_tokens.weight", 0.02 * torch.randn(v_t, spec["hidden_size"], generator=g))
+    sd.setdefault("embed_tokens.weight", 0.02 * torch.randn(v_t, spec.hidden_size, generator=g))
     return sd
 
 
@@ -173,7 +154,7 @@ def served(tmp_path_factory):
             "model": str(folder),
             "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
         }
-        if spec["method"] == "peagle":
+        if spec.method == "peagle":
             spec_cfg["parallel_drafting"] = True
         jobs[name] = {"target": target, "speculative_config": spec_cfg}
     (root / "jobs.json").write_text(json.dumps(jobs))

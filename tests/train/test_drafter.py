@@ -13,11 +13,11 @@ from draftsmith.data.config import ConfigError, DrafterConfig
 from draftsmith.train.drafter import (
     Drafter,
     RMSNorm,
-    drafter_dims,
     init_drafter_from_target,
     rope_attention_factor,
     rope_inv_freq,
 )
+from draftsmith.train.spec import spec_for_target
 
 H, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, V, V_D, N_AUX = 64, 4, 2, 16, 96, 48, 3
 EPS = 1e-6
@@ -30,10 +30,16 @@ def tiny_target_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**(fields | overrides))
 
 
+def tiny_spec(cfg: DrafterConfig | None = None, parallel_drafting: bool = False, target=None, v_d: int = V_D):
+    return spec_for_target(target or tiny_target_config(), cfg or DrafterConfig(), method="peagle" if parallel_drafting else "eagle3",
+                           aux_layer_ids=range(1, N_AUX + 1), draft_vocab_size=v_d,
+                           mask_token_id=V - 1 if parallel_drafting else None)
+
+
 def tiny_drafter(seed: int = 0, parallel_drafting: bool = False, **cfg_fields) -> Drafter:
     cfg = DrafterConfig(**cfg_fields)
     torch.manual_seed(seed)
-    drafter = Drafter(drafter_dims(tiny_target_config(), cfg, N_AUX, V_D), cfg, parallel_drafting=parallel_drafting)
+    drafter = Drafter(tiny_spec(cfg, parallel_drafting))
     with torch.no_grad():
         for p in drafter.parameters():
             if p.dim() == 1:
@@ -176,18 +182,19 @@ def test_yarn_rope_matches_transformers(truncate):
     assert ours[0] == plain[0] and ours[-1] == pytest.approx(plain[-1] / 32), "fast dims kept, slow ones interpolated"
 
 
-def test_drafter_dims_copy_the_target():
-    dims = drafter_dims(tiny_target_config(), DrafterConfig(), N_AUX, V_D)
-    assert (dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim) == (H, NUM_HEADS, NUM_KV_HEADS, 16)
-    assert (dims.vocab_size, dims.draft_vocab_size, dims.target_hidden_size, dims.num_aux) == (V, V_D, H, N_AUX)
-    assert dims.rope_parameters == {"rope_theta": 10000.0, "rope_type": "default"}
+def test_drafter_spec_copies_the_target():
+    spec = tiny_spec()
+    assert (spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim) == (
+        H, NUM_HEADS, NUM_KV_HEADS, 16)
+    assert (spec.vocab_size, spec.draft_vocab_size, spec.target_hidden_size, spec.num_aux) == (V, V_D, H, N_AUX)
+    assert spec.rope_parameters == {"rope_theta": 10000.0, "rope_type": "default"}
     dynamic = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
     with pytest.raises(ValueError, match="rope_type 'dynamic' is not supported"):
-        drafter_dims(tiny_target_config(rope_parameters=dynamic), DrafterConfig(), N_AUX, V_D)
+        tiny_spec(target=tiny_target_config(rope_parameters=dynamic))
     with pytest.raises(ValueError, match="silu"):
-        drafter_dims(tiny_target_config(hidden_act="gelu"), DrafterConfig(), N_AUX, V_D)
+        tiny_spec(target=tiny_target_config(hidden_act="gelu"))
     with pytest.raises(ValueError, match="draft_vocab_size"):
-        drafter_dims(tiny_target_config(), DrafterConfig(), N_AUX, V + 1)
+        tiny_spec(v_d=V + 1)
 
 
 def test_init_drafter_from_target_copies_embeddings_and_vocab_maps():

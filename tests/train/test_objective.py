@@ -5,7 +5,7 @@ import torch
 
 from draftsmith.data.config import load_config
 from draftsmith.train import eagle3, peagle
-from draftsmith.train.build import build_drafter, load_checked_dataset
+from draftsmith.train.build import build_drafter, build_drafter_spec, load_checked_dataset
 from draftsmith.train.objective import DrafterObjective
 from draftsmith.train.packing import DataPosition, pack_planned_row, plan_next_row
 
@@ -13,11 +13,9 @@ from draftsmith.train.packing import DataPosition, pack_planned_row, plan_next_r
 def objective_and_row(config: str, method: str, dtype: torch.dtype):
     cfg, _ = load_config(config, [])
     train_ds, _, aux_ids, target_path, hf_cfg = load_checked_dataset(cfg)
-    drafter = build_drafter(cfg, hf_cfg, target_path, aux_ids, parallel_drafting=method == "peagle")
-    if method == "eagle3":
-        built = eagle3.build_method(cfg, drafter, hf_cfg, target_path, aux_ids, torch.device("cpu"))
-    else:
-        built = peagle.build_method(cfg, drafter, hf_cfg, target_path, aux_ids, torch.device("cpu"), 5)
+    spec = build_drafter_spec(cfg, hf_cfg, target_path, aux_ids, method, mask_token_id=5 if method == "peagle" else None)
+    drafter = build_drafter(cfg, spec, target_path)
+    built = (eagle3 if method == "eagle3" else peagle).build_method(cfg, drafter, target_path, torch.device("cpu"))
     plan = plan_next_row(train_ds, DataPosition(), cfg.train.seed, cfg.train.batch_tokens)
     return DrafterObjective(drafter.to(dtype), built.row_loss), pack_planned_row(train_ds, plan, cfg.train.batch_tokens)
 

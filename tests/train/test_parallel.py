@@ -12,7 +12,8 @@ from transformers import LlamaConfig
 
 from draftsmith.data.config import DrafterConfig
 from draftsmith.train import peagle
-from draftsmith.train.drafter import Drafter, drafter_dims
+from draftsmith.train.checkpoint import load_drafter_bundle
+from draftsmith.train.drafter import Drafter
 from draftsmith.train.parallel import (
     ParallelSetup,
     PEagleAttention,
@@ -25,6 +26,7 @@ from draftsmith.train.parallel import (
     peagle_visible,
     plan_partitions,
 )
+from draftsmith.train.spec import spec_for_target
 
 H, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, V, V_D, N_AUX, EPS = 64, 4, 2, 16, 96, 48, 3, 1e-6
 MASK_ID, D = 95, 4
@@ -91,7 +93,8 @@ def tiny_drafter(num_layers: int = 2, seed: int = 0, **cfg_fields) -> Drafter:
                          max_position_embeddings=256, rms_norm_eps=EPS)
     cfg = DrafterConfig(num_layers=num_layers, **cfg_fields)
     torch.manual_seed(seed)
-    drafter = Drafter(drafter_dims(target, cfg, N_AUX, V_D), cfg, parallel_drafting=True)
+    drafter = Drafter(spec_for_target(target, cfg, method="peagle", aux_layer_ids=range(1, N_AUX + 1),
+                                      draft_vocab_size=V_D, mask_token_id=V - 1))
     with torch.no_grad():
         for p in drafter.parameters():
             if p.dim() == 1:  # norm weights away from 1 so a skipped norm shows up
@@ -328,11 +331,11 @@ def test_twenty_steps_lower_the_loss(tiny_run, tmp_path):
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses[-1] < 0.85 * losses[0], losses
     assert all(len(r["acc"]) == 4 for r in records if "acc" in r)
-    spec = json.loads((train_dir / "best" / "drafter.json").read_text())
-    assert spec["method"] == "peagle"
-    assert set(spec["eval"]["simulated_acceptance_length"]) == {"1", "2", "3", "4"}
+    _, spec, progress = load_drafter_bundle(train_dir / "best")
+    assert spec.method == "peagle" and spec.num_hidden_layers == 2
+    assert set(progress["eval"]["simulated_acceptance_length"]) == {"1", "2", "3", "4"}
     used = set()
     for shard in (tmp_path / "run" / "dataset").glob("shard-*.safetensors"):
         with safe_open(str(shard), "pt") as f:
             used |= set(f.get_tensor("input_ids").tolist())
-    assert spec["mask_token_id"] not in used
+    assert spec.mask_token_id not in used

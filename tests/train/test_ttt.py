@@ -8,13 +8,14 @@ import torch
 from transformers import LlamaConfig
 
 from draftsmith.data.config import DrafterConfig
-from draftsmith.train.drafter import Drafter, drafter_dims
+from draftsmith.train.drafter import Drafter
 from draftsmith.train.loss import (
     simulated_acceptance_length,
     teacher_from_final_hidden,
     teacher_targets,
     ttt_loss,
 )
+from draftsmith.train.spec import spec_for_target
 from draftsmith.train.ttt import (
     TTTAttention,
     blockwise_ttt_attention,
@@ -35,7 +36,8 @@ def tiny_drafter(seed: int = 0, **cfg_fields) -> Drafter:
                          max_position_embeddings=256, rms_norm_eps=EPS)
     cfg = DrafterConfig(**cfg_fields)
     torch.manual_seed(seed)
-    drafter = Drafter(drafter_dims(target, cfg, N_AUX, V_D), cfg)
+    drafter = Drafter(spec_for_target(target, cfg, method="eagle3", aux_layer_ids=range(1, N_AUX + 1),
+                                      draft_vocab_size=V_D))
     with torch.no_grad():
         for p in drafter.parameters():
             if p.dim() == 1:  # norm weights: away from 1 so a missing norm shows up
@@ -138,13 +140,13 @@ def reference_ttt_logits(p, cfg, aux, input_ids, position_ids, document_ids, num
     B, T = input_ids.shape
     ids, pos, doc = input_ids.tolist(), position_ids.tolist(), document_ids.tolist()
     h = ref_combine(p, cfg, aux)
-    caches = [[] for _ in range(cfg.num_layers)]
+    caches = [[] for _ in range(cfg.num_hidden_layers)]
     out = []
     for j in range(num_steps):
         tokens = torch.tensor([[ids[b][t + j + 1] if t + j + 1 < T else 0 for t in range(T)] for b in range(B)])
         e = p["embed_tokens.weight"][tokens]
         x = h
-        for l in range(cfg.num_layers):
+        for l in range(cfg.num_hidden_layers):
             x = ref_layer(p, cfg, l, x, e, pos, doc, j, caches[l])
         normed = ref_rms(x, p["norm.weight"])
         out.append(normed @ p["lm_head.weight"].T)
@@ -209,7 +211,7 @@ def test_ttt_forward_and_loss_match_bruteforce(cfg_fields):
     batch = packed_batch()
     logits, (loss, metrics) = run_pipeline(drafter, batch)
     with torch.no_grad():
-        expected = reference_ttt_logits(float64_params(drafter), drafter.cfg, batch["aux"], batch["input_ids"],
+        expected = reference_ttt_logits(float64_params(drafter), drafter.spec, batch["aux"], batch["input_ids"],
                                         batch["position_ids"], batch["document_ids"], J)
     for j in range(J):
         torch.testing.assert_close(logits[j], expected[j], rtol=1e-9, atol=1e-9, msg=lambda m, j=j: f"step {j}: {m}")
@@ -223,7 +225,7 @@ def test_float32_run_matches_bruteforce():
     drafter = tiny_drafter(num_layers=2)
     batch = packed_batch()
     logits, _ = run_pipeline(drafter, batch, chunk_size=3)
-    expected = reference_ttt_logits(float64_params(drafter), drafter.cfg, batch["aux"], batch["input_ids"],
+    expected = reference_ttt_logits(float64_params(drafter), drafter.spec, batch["aux"], batch["input_ids"],
                                     batch["position_ids"], batch["document_ids"], J)
     for j in range(J):
         torch.testing.assert_close(logits[j].double(), expected[j], rtol=1e-4, atol=1e-4)
@@ -238,7 +240,7 @@ def test_gradients_match_bruteforce():
     trained = [k for k, p in drafter.named_parameters() if p.requires_grad]
     for k in trained:
         params[k].requires_grad_(True)
-    expected = reference_ttt_logits(params, drafter.cfg, batch["aux"], batch["input_ids"], batch["position_ids"],
+    expected = reference_ttt_logits(params, drafter.spec, batch["aux"], batch["input_ids"], batch["position_ids"],
                                     batch["document_ids"], J)
     reference_loss(expected, batch, 0.8)[0].backward()
     assert "embed_tokens.weight" not in trained

@@ -5,19 +5,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.data.config import RunConfig, load_config
+from draftsmith.data.config import load_config
 from draftsmith.data.errors import UserError
 from draftsmith.export.write import write_drafter_folder
-from draftsmith.train.build import build_drafter, drafter_spec, load_checked_dataset
+from draftsmith.train.build import build_drafter, build_drafter_spec, load_checked_dataset
 from draftsmith.train.warm_start import init_drafter_from_exported
-from tests.train.test_drafter import V_D, V, causal_attention, tiny_drafter, tiny_target_config
-
-
-def spec_of(drafter, method: str, mask_token_id=None) -> dict:
-    """The export spec of a tests/train tiny drafter, as the trainers write it."""
-    target = tiny_target_config(architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
-    return drafter_spec(RunConfig(drafter=drafter.cfg), drafter, target, "/models/target", [1, 2, 3], method,
-                        mask_token_id=mask_token_id)
+from tests.train.test_drafter import V_D, V, causal_attention, tiny_drafter
 
 
 def with_vocab_map(drafter, shift: int = 1):
@@ -31,7 +24,7 @@ def with_vocab_map(drafter, shift: int = 1):
 
 def exported_eagle3(tmp_path, fmt: str = "speculators"):
     source = with_vocab_map(tiny_drafter(seed=1))
-    folder = write_drafter_folder(source.state_dict(), spec_of(source, "eagle3"), tmp_path / "eagle3", fmt,
+    folder = write_drafter_folder(source.state_dict(), source.spec, tmp_path / "eagle3", fmt,
                                   "float32", 3)
     return source, folder
 
@@ -39,7 +32,7 @@ def exported_eagle3(tmp_path, fmt: str = "speculators"):
 def logits_of(drafter, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, V, (2, 9), generator=g)
-    hidden = drafter.combine_aux_hidden_states(torch.randn(2, 9, 3 * drafter.dims.target_hidden_size, generator=g))
+    hidden = drafter.combine_aux_hidden_states(torch.randn(2, 9, 3 * drafter.spec.target_hidden_size, generator=g))
     return drafter(ids, hidden, torch.arange(9).expand(2, 9), causal_attention)[1]
 
 
@@ -63,7 +56,7 @@ def test_peagle_from_eagle3_predicts_exactly_like_the_source_at_step_zero(tmp_pa
 
 def test_a_peagle_export_restores_every_tensor(tmp_path):
     trained = with_vocab_map(tiny_drafter(seed=3, parallel_drafting=True, num_layers=2))
-    folder = write_drafter_folder(trained.state_dict(), spec_of(trained, "peagle", mask_token_id=5),
+    folder = write_drafter_folder(trained.state_dict(), trained.spec,
                                   tmp_path / "peagle", "speculators", "float32", 4)
     again = with_vocab_map(tiny_drafter(seed=4, parallel_drafting=True, num_layers=2))
     init_drafter_from_exported(again, folder)
@@ -88,7 +81,7 @@ def test_refusals_name_the_problem(tmp_path):
         init_drafter_from_exported(with_vocab_map(tiny_drafter(), shift=0), folder)
     with pytest.raises(UserError, match="layers.1"):  # the source has more layers than this drafter
         two = with_vocab_map(tiny_drafter(seed=6, num_layers=2))
-        deep = write_drafter_folder(two.state_dict(), spec_of(two, "eagle3"), tmp_path / "two", "speculators",
+        deep = write_drafter_folder(two.state_dict(), two.spec, tmp_path / "two", "speculators",
                                     "float32", 3)
         init_drafter_from_exported(with_vocab_map(tiny_drafter()), deep)
     two = with_vocab_map(tiny_drafter(seed=7, num_layers=2))
@@ -118,7 +111,8 @@ def test_an_unreadable_source_is_refused_by_name(tmp_path):
 def test_a_resumed_run_does_not_read_init_from(tiny_run, tmp_path):
     cfg, _ = load_config(tiny_run(tmp_path, extra={"train": {"init_from": str(tmp_path / "gone")}}))
     _, _, aux_ids, target_path, hf_cfg = load_checked_dataset(cfg)
+    spec = build_drafter_spec(cfg, hf_cfg, target_path, aux_ids, "eagle3")
     with pytest.raises(UserError, match="not found"):  # a fresh run needs its source
-        build_drafter(cfg, hf_cfg, target_path, aux_ids, parallel_drafting=False)
-    (cfg.run_dir() / "train" / "checkpoints" / "step-0000010").mkdir(parents=True)
-    build_drafter(cfg, hf_cfg, target_path, aux_ids, parallel_drafting=False)  # resumes: weights come from there
+        build_drafter(cfg, spec, target_path)
+    (cfg.paths.checkpoints / "step-0000010").mkdir(parents=True)
+    build_drafter(cfg, spec, target_path)  # resumes: weights come from there
