@@ -28,6 +28,16 @@ class ConfigError(UserError):
     """A user error in a config file or override; entry scripts print it as one line and exit 2."""
 
 
+def check_ranges(section: str, obj, **ranges: tuple[float | None, float | None]) -> None:
+    """Each named field (or every item of a tuple field) must lie in [low, high]; None leaves a side open."""
+    for name, (low, high) in ranges.items():
+        value = getattr(obj, name)
+        for v in value if isinstance(value, tuple) else (value,):
+            if (low is not None and v < low) or (high is not None and v > high):
+                bounds = (f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]")
+                raise ConfigError(f"{section}.{name} must be {bounds}, got {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TargetConfig:
     name_or_path: str = "smollm2"
@@ -42,6 +52,9 @@ class TargetConfig:
     device_map: Literal["", "auto", "balanced", "sequential"] = ""
     """Capture and check: "" = the whole target on one device (each process's GPU, else the CPU); "auto" (or
     another accelerate device_map) = split over the node's visible GPUs, for targets larger than one GPU."""
+
+    def __post_init__(self):
+        check_ranges("target", self, aux_layer_ids=(0, None))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +76,10 @@ class PromptsConfig:
     max_prompt_chars: int = 8000
     """Drop conversations whose first user turn is longer than this (characters)."""
 
+    def __post_init__(self):
+        check_ranges("data.prompts", self, max_prompts=(0, None), heldout_fraction=(0, 0.9), min_prompt_chars=(0, None),
+                     max_prompt_chars=(max(self.min_prompt_chars, 1), None))
+
 
 @dataclass(frozen=True, kw_only=True)
 class RegenerateConfig:
@@ -80,6 +97,10 @@ class RegenerateConfig:
     """Sampling seed."""
     batch_size: int = 64
     """Prompts per generation call; also the resume granularity."""
+
+    def __post_init__(self):
+        check_ranges("data.regenerate", self, max_new_tokens=(1, None), temperature=(0, None), top_p=(1e-6, 1),
+                     seed=(0, None), batch_size=(1, None))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +133,10 @@ class DataConfig:
     """Where the dataset is built and read; "" = <output_dir>/dataset. Point two runs at one folder to
     train both on the same data (the P-EAGLE demo reuses the EAGLE-3 demo's)."""
 
+    def __post_init__(self):
+        check_ranges("data", self, max_seq_len=(2, None), capture_batch_tokens=(1, None), samples_per_shard=(1, None),
+                     draft_vocab_size=(1, None))
+
 
 @dataclass(frozen=True, kw_only=True)
 class DrafterConfig:
@@ -143,8 +168,7 @@ class TTTConfig:
     """Loss weight of step j is step_weight**j."""
 
     def __post_init__(self):
-        if self.num_steps < 1:
-            raise ConfigError(f"ttt.num_steps must be >= 1, got {self.num_steps}")
+        check_ranges("ttt", self, num_steps=(1, None), step_weight=(1e-6, None))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,6 +192,9 @@ class PEagleConfig:
                               f"{self.down_sample_ratio_min} and {self.down_sample_ratio}")
         if self.partition_elements < 1 or self.max_anchors < 0:
             raise ConfigError("peagle.partition_elements must be >= 1 and peagle.max_anchors >= 0")
+
+
+TRACKERS = ("tensorboard", "wandb")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,14 +246,23 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """Matmul precision (weights stay fp32): auto = bf16 autocast on a GPU, and on a CPU only where a probe at
     start measures bf16 matmuls >= 1.5x faster than fp32 (AMX); bf16 / fp32 force it."""
+    report_to: tuple[str, ...] = ("tensorboard",)
+    """Experiment trackers, through accelerate: tensorboard (train/tensorboard/) and/or wandb (pip install
+    'draftsmith[wandb]'; a resumed run continues the same wandb run). metrics.jsonl is always written."""
 
     def __post_init__(self):
         for name in ("lr", "max_steps", "batch_tokens", "grad_accum"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
+        unknown = sorted(set(self.report_to) - set(TRACKERS))
+        if unknown:
+            raise ConfigError(f"train.report_to: {unknown} are not trackers Draftsmith logs to (valid: {TRACKERS})")
         for name in ("muon_lr", "muon_weight_decay", "weight_decay", "hidden_noise_std", "grad_clip"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        check_ranges("train", self, warmup_steps=(0, None), min_lr_ratio=(0, 1), betas=(0, 0.999999),
+                     log_every=(1, None), eval_every=(1, None), save_every=(1, None), eval_max_samples=(0, None),
+                     seed=(0, None))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,6 +283,12 @@ class ExportConfig:
     """Also serve vLLM's model-free n-gram method on the same prompts."""
     server_start_timeout_s: int = 600
     """Seconds to wait for a vLLM server to become healthy."""
+
+    def __post_init__(self):
+        if not self.num_speculative_tokens:
+            raise ConfigError("export.num_speculative_tokens needs at least one K, e.g. [3]")
+        check_ranges("export", self, num_speculative_tokens=(1, None), num_validation_prompts=(0, None),
+                     max_tokens=(1, None), concurrency=(1, None), server_start_timeout_s=(1, None))
 
 
 @dataclass(frozen=True, kw_only=True)
