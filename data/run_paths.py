@@ -105,6 +105,11 @@ class RunPaths:
         return self.train / "tensorboard"
 
     @property
+    def wandb_run_id(self) -> Path:
+        """The wandb run id a resumed run continues."""
+        return self.train / "wandb-run-id"
+
+    @property
     def drafter(self) -> Path:
         return self.run / "drafter"
 

@@ -11,6 +11,7 @@ knows which one it is. Pitfalls it handles (../shared/reference/scale-out.md):
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from datetime import timedelta
@@ -32,7 +33,7 @@ def env_flag(name: str) -> bool:
 
 def build_accelerator(cfg: RunConfig):
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import InitProcessGroupKwargs, set_seed
+    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
     on_cuda = torch.cuda.is_available()
     deepspeed = env_flag("ACCELERATE_USE_DEEPSPEED")
@@ -40,6 +41,9 @@ def build_accelerator(cfg: RunConfig):
     if cfg.train.optimizer == "muon" and (deepspeed or env_flag("ACCELERATE_USE_FSDP")):
         raise UserError("train.optimizer=muon orthogonalizes whole matrices, which FSDP2 and ZeRO shard; "
                         "launch with DDP (configs/accelerate/ddp.yaml) or set train.optimizer=adamw")
+    if "wandb" in cfg.train.report_to and importlib.util.find_spec("wandb") is None:
+        raise UserError("train.report_to includes wandb, which is not installed: pip install 'draftsmith[wandb]' "
+                        "or drop wandb from train.report_to")
     if deepspeed:
         os.environ["ACCELERATE_USE_CPU"] = "false"  # a CPU flag in the environment would switch DeepSpeed off
     handlers = []
@@ -53,6 +57,8 @@ def build_accelerator(cfg: RunConfig):
     acc = Accelerator(
         cpu=cpu,
         mixed_precision=mixed_precision,  # fp32 master weights either way
+        log_with=list(cfg.train.report_to) or None,
+        project_config=ProjectConfiguration(project_dir=str(cfg.paths.train), logging_dir=str(cfg.paths.tensorboard)),
         gradient_accumulation_steps=cfg.train.grad_accum,
         step_scheduler_with_optimizer=False,
         kwargs_handlers=handlers,

@@ -113,7 +113,7 @@ class Trainer:
         self.eval_rows: dict[int, dict] = {}  # this process's packed held-out rows, read once
         self.pos, self.step, self.best = DataPosition(), 0, -1.0
         self.best_k = cfg.export.num_speculative_tokens[0]
-        self.log = MetricsLog(self.paths, cfg, enabled=accelerator.is_main_process)
+        self.log = MetricsLog(self.paths, cfg, accelerator, enabled=accelerator.is_main_process)
 
     def resume_if_possible(self) -> None:
         ckpt = latest_checkpoint(self.paths.checkpoints)

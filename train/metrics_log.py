@@ -1,24 +1,45 @@
-"""Training logs: one line per log step (fixed field order), metrics.jsonl, tensorboard, wandb when installed.
+"""Training logs: one line per log step (fixed field order), metrics.jsonl, and the trackers of train.report_to.
 
 Written by the main process only, from metrics already summed over all processes; tokens count every
 process's rows, `data_bytes_read` every process's reads from the dataset since its start.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-import os
 import time
+import uuid
 
 import torch
 from tqdm import tqdm
 
 from draftsmith.data.config import RunConfig, config_to_dict
+from draftsmith.data.manifest import atomic_write_bytes
 from draftsmith.data.run_paths import RunPaths
 from draftsmith.train.loss import simulated_acceptance_length
 
 logger = logging.getLogger(__name__)
+
+
+def flat_config(cfg: RunConfig) -> dict:
+    """The run config as flat scalars (`train.lr`: 0.002), as TensorBoard's hparams and wandb's config take it."""
+    out = {}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[prefix + k] = v if isinstance(v, (int, float, str, bool)) else json.dumps(v)
+    walk(config_to_dict(cfg), "")
+    return out
+
+
+def wandb_init_kwargs(paths: RunPaths, cfg: RunConfig) -> dict:
+    """A wandb run id kept in the run folder: a resumed run logs into the same wandb run."""
+    if not paths.wandb_run_id.is_file():
+        atomic_write_bytes(paths.wandb_run_id, uuid.uuid4().hex[:16].encode())
+    return {"name": cfg.name, "id": paths.wandb_run_id.read_text().strip(), "resume": "allow", "dir": str(paths.train)}
 
 
 def peak_memory_gib() -> float:
@@ -33,22 +54,17 @@ def peak_memory_gib() -> float:
 
 
 class MetricsLog:
-    def __init__(self, paths: RunPaths, cfg: RunConfig, enabled: bool):
-        self.enabled, self.out = enabled, paths.train
-        self.tb = self.wandb = self.bar = None
+    """metrics.jsonl (always) and the run's trackers (train.report_to) through accelerate, main process only."""
+
+    def __init__(self, paths: RunPaths, cfg: RunConfig, accelerator, enabled: bool):
+        self.enabled, self.acc, self.bar = enabled, accelerator, None
         if not enabled:
             return
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(paths.metrics, "a")
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.tb = SummaryWriter(str(paths.tensorboard))
-        if importlib.util.find_spec("wandb") is not None:
-            import wandb
-
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-            self.wandb = wandb.init(project="draftsmith", name=cfg.name, dir=str(self.out), mode=mode,
-                                    config=config_to_dict(cfg), resume="allow")
+        paths.train.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(paths.metrics, "a")  # noqa: SIM115 (open for the whole run, closed in close())
+        if cfg.train.report_to:
+            wandb = {"wandb": wandb_init_kwargs(paths, cfg)} if "wandb" in cfg.train.report_to else {}
+            accelerator.init_trackers("draftsmith", config=flat_config(cfg), init_kwargs=wandb)
 
     def start(self, step: int) -> None:
         self.t0, self.tokens, self.step0 = time.time(), 0, step
@@ -63,11 +79,9 @@ class MetricsLog:
     def _emit(self, record: dict) -> None:
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
-        for k, v in record.items():
-            if isinstance(v, (int, float)) and k != "step":
-                self.tb.add_scalar(k, v, record["step"])
-        if self.wandb is not None:
-            self.wandb.log(record, step=record["step"])
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if scalars:
+            self.acc.log(scalars, step=record["step"])
 
     def train_line(self, step, totals, grad_norm, lr, tokens, max_steps) -> None:
         self.count_tokens(tokens)
@@ -103,6 +117,3 @@ class MetricsLog:
             return
         self.bar.close()
         self.jsonl.close()
-        self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()

@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from draftsmith.data.errors import UserError
 from draftsmith.train import eagle3
 from draftsmith.train.checkpoint import load_drafter_bundle
 from draftsmith.train.loop import Trainer
@@ -28,6 +29,30 @@ def test_twenty_steps_lower_the_loss_and_keep_the_best(tiny_run, tmp_path):
     assert progress["step"] == best["step"]
     assert progress["eval"]["simulated_acceptance_length"]["3"] == pytest.approx(best["eval_sim_al"]["3"])
     assert json.loads((run / "train" / "eval_heldout.json").read_text())["step"] == best["step"]
+
+
+def test_metrics_reach_tensorboard_through_accelerate_and_wandb_is_off_unless_asked(tiny_run, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    eagle3.main(["--config", tiny_run(tmp_path, {"train": {"max_steps": 5, "log_every": 1, "eval_every": 5}})])
+    train_dir = tmp_path / "run" / "train"
+    events = EventAccumulator(str(next((train_dir / "tensorboard").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    logged = [m for m in _metrics(tmp_path / "run") if "loss" in m]
+    loss = events.Scalars("loss")
+    assert [e.step for e in loss] == [m["step"] for m in logged]
+    assert [e.value for e in loss] == pytest.approx([m["loss"] for m in logged], rel=1e-6)
+    assert "eval/sim_al_k3" in events.Tags()["scalars"]
+    assert not (train_dir / "wandb").exists() and not (train_dir / "wandb-run-id").exists()
+
+
+def test_wandb_asked_for_but_missing_is_a_clear_error(tiny_run, tmp_path, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(name, *a))
+    with pytest.raises(UserError, match=r"train.report_to includes wandb, which is not installed"):
+        eagle3.main(["--config", tiny_run(tmp_path), "train.report_to=[tensorboard,wandb]"])
 
 
 class _Killed(Exception):
