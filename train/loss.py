@@ -1,9 +1,10 @@
 """TTT loss and metrics: the teacher over the draft vocab, soft cross-entropy, accuracy (DESIGN section 3).
 
 Positions whose target argmax lies outside the draft vocab are masked; each step's loss is normalised by its
-mask count, not B*T (EAGLE #340). EAGLE-3 uses the fused path (teacher_targets, HeadSoftCrossEntropy, ttt_loss):
-the draft head runs only at scored positions, its gradient formed in forward. P-EAGLE still uses the dense one
-(teacher_from_final_hidden, ttt_step_loss), which the fused path's tests compare against.
+mask count, not B*T (EAGLE #340). EAGLE-3 (ttt_loss) and P-EAGLE (train/parallel.py) run the fused path
+(teacher_targets, HeadSoftCrossEntropy): the draft head runs only at scored positions, its gradient formed in
+forward. The dense path (teacher_from_final_hidden, ttt_step_loss) is the plain reference the tests and
+bench/step_speed.py compare against.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from draftsmith.data.errors import UserError
 from draftsmith.train.attention import attend_shared_and_own_keys
-from draftsmith.train.loss import teacher_from_final_hidden, ttt_step_loss
+from draftsmith.train.loss import TeacherTargets, head_soft_cross_entropy, teacher_targets
 from draftsmith.train.ttt import ATTENTION_IMPLS, check_document_ids, flex_functions, shift_for_ttt
 
 # ---- COD sampling (PARD's COnditional Drop-token) ----------------------------------------------------------
@@ -218,7 +218,7 @@ class ShiftedRow:
     position_ids: torch.Tensor  # [1, T]
     document_ids: torch.Tensor  # [T]
     loss_mask: torch.Tensor  # [T] bool, shifted: drives COD
-    teacher_logits: torch.Tensor  # [T, V_d]
+    teacher: TeacherTargets  # at the shifted loss mask's positions (slot [1, T])
     scored: torch.Tensor  # [T] bool: shifted loss mask and the target argmax is in the draft vocab
 
 
@@ -226,10 +226,10 @@ def shift_parallel_row(row: dict, teacher_weight, t2d) -> ShiftedRow:
     """A packed row (data/ + packing.py, batch 1) -> ShiftedRow; the aux states are not shifted."""
     ids, final, mask = shift_for_ttt(row["input_ids"], row["final_hidden_states"], row["loss_mask"],
                                      row["document_ids"])
-    teacher, in_vocab = teacher_from_final_hidden(final.float(), teacher_weight, t2d)
+    teacher = teacher_targets(final.float(), teacher_weight, t2d, needed=mask)
     return ShiftedRow(input_ids=ids, aux_hidden=row["aux_hidden_states"].float(),
                       position_ids=row["position_ids"], document_ids=row["document_ids"][0],
-                      loss_mask=mask[0], teacher_logits=teacher[0], scored=(mask & in_vocab)[0])
+                      loss_mask=mask[0], teacher=teacher, scored=(mask & teacher.in_vocab)[0])
 
 
 def element_inputs(drafter, input_ids, aux_hidden, position_ids, anchor, depth, mask_token_id: int):
@@ -247,15 +247,18 @@ def element_inputs(drafter, input_ids, aux_hidden, position_ids, anchor, depth, 
     return tokens, hidden, (position_ids[0, anchor] + depth)[None]
 
 
-def depth_loss_sums(logits, teacher_logits, scored, depth_sizes: list[int]):
+def depth_loss_sums(head_inputs, head_weight, teacher: TeacherTargets, target, scored, depth_sizes: list[int]):
     """Soft-CE sum over scored elements; top-1 hits and counts per depth [D]. Elements are depth-major.
 
-    logits, teacher_logits [N, V_d]; scored [N] bool; depth_sizes: elements per depth (summing to N).
+    head_inputs [N, H] (the draft head's input, norm(h)); target [N]: the shifted index each element is scored
+    at; scored [N] bool; depth_sizes: elements per depth (summing to N). The head runs only at scored elements,
+    fused with its loss (train/loss.py).
     """
     ce_sum, correct, count = 0.0, [], []
-    pieces = zip(logits.split(depth_sizes), teacher_logits.split(depth_sizes), scored.split(depth_sizes))
-    for depth_logits, depth_teacher, depth_scored in pieces:
-        ce, hits = ttt_step_loss(depth_logits[None], depth_teacher[None], depth_scored[None])
+    pieces = zip(head_inputs.split(depth_sizes), target.split(depth_sizes), scored.split(depth_sizes))
+    for depth_inputs, depth_target, depth_scored in pieces:
+        rows = teacher.slot[0, depth_target[depth_scored]]
+        ce, hits = head_soft_cross_entropy(depth_inputs[depth_scored], head_weight, teacher, rows)
         ce_sum = ce_sum + ce
         correct.append(hits)
         count.append(depth_scored.sum())
@@ -308,11 +311,11 @@ def partition_loss_sums(drafter, row: ShiftedRow, anchor, depth, part, setup: Pa
     tokens, hidden, positions = element_inputs(drafter, row.input_ids[:, window], row.aux_hidden[:, window],
                                                row.position_ids[:, window], a_dev - start, d_dev,
                                                setup.mask_token_id)
-    _, logits = drafter(tokens, hidden, positions, attention)  # [1, n, V_d]
+    _, head_inputs = drafter(tokens, hidden, positions, attention, apply_lm_head=False)  # [1, n, H]
     target = a_dev + d_dev  # element (a, d) is scored against the teacher at shifted index a + d
     scored = row.scored[target] & (a_dev >= lo)
     sizes = torch.bincount(d, minlength=setup.num_depths).tolist()
-    return depth_loss_sums(logits[0], row.teacher_logits[target], scored, sizes)
+    return depth_loss_sums(head_inputs[0], drafter.lm_head.weight, row.teacher, target, scored, sizes)
 
 
 def parallel_loss(drafter, row: ShiftedRow, anchor, depth, setup: ParallelSetup):

@@ -14,6 +14,7 @@ from draftsmith.data.config import DrafterConfig
 from draftsmith.train import peagle
 from draftsmith.train.checkpoint import load_drafter_bundle
 from draftsmith.train.drafter import Drafter
+from draftsmith.train.loss import TeacherTargets
 from draftsmith.train.parallel import (
     ParallelSetup,
     PEagleAttention,
@@ -258,9 +259,11 @@ def shifted_row(seed: int = 2) -> ShiftedRow:
     T = 16
     in_vocab = torch.rand(T, generator=g) > 0.2
     aux = torch.randn(1, T, N_AUX * H, generator=g, dtype=torch.float64)
-    teacher = 3 * torch.randn(T, V_D, generator=g, dtype=torch.float64)
+    logits = 3 * torch.randn(T, V_D, generator=g, dtype=torch.float64)
+    teacher = TeacherTargets(probs=torch.softmax(logits, -1), argmax=logits.argmax(-1), slot=torch.arange(T)[None],
+                             in_vocab=in_vocab[None])
     return ShiftedRow(input_ids=row["input_ids"], aux_hidden=aux, position_ids=row["position_ids"][None],
-                      document_ids=row["document_ids"], loss_mask=row["loss_mask"], teacher_logits=teacher,
+                      document_ids=row["document_ids"], loss_mask=row["loss_mask"], teacher=teacher,
                       scored=row["loss_mask"] & in_vocab)
 
 
@@ -272,7 +275,7 @@ def reference_loss(drafter, row: ShiftedRow, anchor, depth, mask) -> torch.Tenso
     total, count = 0.0, 0
     for i, (a, d) in enumerate(zip(anchor.tolist(), depth.tolist())):
         if row.scored[a + d]:
-            teacher = torch.softmax(row.teacher_logits[a + d], -1)
+            teacher = row.teacher.probs[a + d]
             total = total - (teacher * torch.log_softmax(logits[0, i], -1)).sum()
             count += 1
     return total / count
