@@ -240,7 +240,12 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, help="served prompts (default: by budget)")
     p.add_argument("--max-tokens", type=int, help="tokens generated per served prompt (default: by budget)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rescore", action="store_true",
+                   help="re-run only the held-out scorer on the drafters of the last report of this budget, rewrite "
+                        "its simulated figures and print the comparison again (nothing is retrained or served)")
     a = p.parse_args(argv)
+    if a.rescore:
+        return rescore(a.budget)
     budget, num_prompts, max_tokens = parse_budget(a.budget)
     num_prompts, max_tokens = a.prompts or num_prompts, a.max_tokens or max_tokens
     from draftsmith.data.target import resolve_target_path
@@ -262,6 +267,21 @@ def main(argv=None) -> None:
     report = {"budget_tokens": budget, "seed": a.seed, "speculators": spec_side, "draftsmith": ours,
               "simulated": simulated, "served": served, "wall_s": time.time() - t0}
     (work_dir() / f"report-{a.budget}.json").write_text(json.dumps(report, indent=1, default=str))
+    print_comparison(report)
+
+
+def rescore(budget: str) -> None:
+    from draftsmith.data.target import resolve_target_path
+
+    path = work_dir() / f"report-{budget}.json"
+    report = json.loads(path.read_text())
+    drafters = {"draftsmith": Path(report["draftsmith"]["drafter_dir"]),
+                "speculators": Path(report["speculators"]["train"]["checkpoint_dir"])}
+    target = str(resolve_target_path("smollm2"))
+    report["simulated"] = {name: heldout_simulated_acceptance(d, Path(report["draftsmith"]["dataset_dir"]), target)
+                           for name, d in drafters.items()}
+    path.write_text(json.dumps(report, indent=1, default=str))
+    print(f"$ .venv/bin/python bench/vs_speculators.py --budget {budget} --rescore  (held-out scorer only, {path})")
     print_comparison(report)
 
 
