@@ -3,7 +3,6 @@ states in shards -> draft vocab. Usage: python data/build.py --config smollm2-de
 `accelerate launch --num_processes N data/build.py ...` captures with N processes; --dry-run prints the disk plan."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -67,9 +66,8 @@ def data_recipe_sha256(cfg: RunConfig, identity: dict, aux_ids: list[int]) -> st
     dataset_dir (where it lives) and capture_batch_tokens (how fast it is captured) are left out, so two
     runs sharing one dataset (smollm2-demo, smollm2-peagle) agree.
     """
-    data = dataclasses.replace(cfg.data, dataset_dir="", capture_batch_tokens=0)
-    return sha256_text(json.dumps({"target": identity, "aux_layer_ids": aux_ids,
-                                   "data": config_to_dict(data)}, sort_keys=True))
+    data = config_to_dict(cfg.data) | {"dataset_dir": "", "capture_batch_tokens": 0}  # the hash datasets carry
+    return sha256_text(json.dumps({"target": identity, "aux_layer_ids": aux_ids, "data": data}, sort_keys=True))
 
 
 def finished_with_same_recipe(ds: DatasetPaths, recipe_sha256: str) -> bool:
