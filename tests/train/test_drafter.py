@@ -211,14 +211,17 @@ def test_init_drafter_from_target_copies_embeddings_and_vocab_maps():
         init_drafter_from_target(drafter, embed, d2t[:-1], t2d)
 
 
-def test_rmsnorm_normalises_in_fp32_then_casts_back():
-    norm = RMSNorm(H, EPS).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_is_transformers_llama_rmsnorm(dtype):
+    """Bit-equal to transformers' own norm (fp32 statistics, cast back before the weight), as vLLM's also is."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm, reference = RMSNorm(H, EPS).to(dtype), LlamaRMSNorm(H, EPS).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(1 + torch.rand(H))
-    x = (torch.randn(3, H) * 50).to(torch.bfloat16)
-    x32 = x.float()
-    expected = norm.weight * (x32 / (x32.pow(2).mean(-1, keepdim=True) + EPS).sqrt()).to(torch.bfloat16)
-    assert torch.equal(norm(x), expected)
+        reference.weight.copy_(norm.weight)
+    x = (torch.randn(3, H) * 50).to(dtype)
+    assert torch.equal(norm(x), reference(x))
 
 
 def test_bfloat16_step_runs_and_keeps_dtype():
