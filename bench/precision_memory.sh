@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Peak RSS and tokens/s of the EAGLE-3 step over 60 steps in bf16 autocast, fp32, and bf16 with glibc's mmap
+# threshold fixed at 1 MiB, on one built dataset (default: the one bench/vs_speculators.py --budget full built).
+# Usage: bash bench/precision_memory.sh [DATASET_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DS=${1:-$HOME/.cache/draftsmith/bench/vs-speculators/draftsmith-first2000/dataset}
+OUT=$(mktemp -d)
+run() {  # name, precision, extra env
+  env $3 .venv/bin/python train/eagle3.py --config smollm2-demo output_dir="$OUT/$1" data.dataset_dir="$DS" \
+    data.draft_vocab_size=32000 data.max_seq_len=2048 ttt.num_steps=3 train.lr=2e-3 train.warmup_steps=8 \
+    train.batch_tokens=2048 train.max_steps=60 train.log_every=10 train.eval_every=100000 train.save_every=100000 \
+    train.eval_max_samples=1 train.precision="$2" > "$OUT/$1.log" 2>&1
+  echo "== $1 (train.precision=$2 $3)"
+  .venv/bin/python -c "import json,sys; [print(f\"step {r['step']:3d}  {r['tokens_per_s']:6.0f} tokens/s  peak RSS {r['peak_mem_gib']:.2f} GiB\") for r in map(json.loads, open(sys.argv[1])) if 'tokens_per_s' in r]" "$OUT/$1/train/metrics.jsonl"
+}
+run bf16 bf16 ""
+run fp32 fp32 ""
+run bf16-mmap1MiB bf16 MALLOC_MMAP_THRESHOLD_=1048576
