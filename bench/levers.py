@@ -30,6 +30,8 @@ VARIANTS = {
     "muon": ["train.optimizer=muon"],  # muon_lr = lr, as speculators sets it
     "lr=5e-3": ["train.lr=5e-3"],
     "hidden noise 0.05": ["train.hidden_noise_std=0.05"],
+    "head from target": ["train.lm_head_init=target"],
+    "frozen target head": ["train.lm_head_init=target", "train.freeze_lm_head=true"],
 }
 
 

@@ -230,6 +230,12 @@ class TrainConfig:
     """Std of uniform-equivalent noise added to aux hidden states (0 = off)."""
     seed: int = 0
     """Seed for init, data order and noise."""
+    lm_head_init: Literal["target", "random"] = "random"
+    """The draft lm_head's start: target = the target's lm_head rows of the draft vocab and its final norm (the
+    draft head starts as the target's own head); random = a fresh layer."""
+    freeze_lm_head: bool = False
+    """Keep the draft lm_head fixed (with lm_head_init=target: the drafter learns to produce states the target's
+    head reads, as speculators trains)."""
     init_from: str = ""
     """Exported drafter folder whose tensors start this run (warm start; "" = random init). Layers it
     lacks start as the identity, so P-EAGLE can start from the EAGLE-3 drafter of the same dataset."""

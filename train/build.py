@@ -24,7 +24,7 @@ from draftsmith.data.target import (
 )
 from draftsmith.data.vocab import load_vocab
 from draftsmith.train.checkpoint import latest_checkpoint
-from draftsmith.train.drafter import Drafter, init_drafter_from_target
+from draftsmith.train.drafter import Drafter, init_drafter_from_target, init_head_from_target
 from draftsmith.train.spec import DrafterSpec, spec_for_target
 from draftsmith.train.warm_start import init_drafter_from_exported
 
@@ -86,9 +86,12 @@ def build_drafter(cfg: RunConfig, spec: DrafterSpec, target_path: str) -> Drafte
     drafter = Drafter(spec)
     head = load_target_head(target_path)
     init_drafter_from_target(drafter, head["embed"].float(), d2t, t2d)
+    if cfg.train.lm_head_init == "target":
+        init_head_from_target(drafter, head["lm_head"].float(), head["norm"].float())
     if cfg.train.init_from and latest_checkpoint(cfg.paths.checkpoints) is None:
         # a resumed run restores its own weights: the source may be gone by then and is not read
         init_drafter_from_exported(drafter, cfg.train.init_from)
+    drafter.lm_head.weight.requires_grad_(not cfg.train.freeze_lm_head)
     n_train = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     logger.info("drafter: %d layer(s), H=%d, V_d=%d, %.1fM trainable parameters", spec.num_hidden_layers,
                 spec.hidden_size, spec.draft_vocab_size, n_train / 1e6)

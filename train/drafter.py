@@ -248,3 +248,16 @@ def init_drafter_from_target(drafter: Drafter, target_embed_weight, d2t, t2d) ->
     drafter.embed_tokens.weight.copy_(target_embed_weight)
     drafter.d2t.copy_(d2t)
     drafter.t2d.copy_(t2d)
+
+
+@torch.no_grad()
+def init_head_from_target(drafter: Drafter, target_lm_head_weight, target_final_norm_weight) -> None:
+    """Start the draft head as the target's own: its lm_head rows of the draft vocab (draft id i = the i-th marked
+    target id, as d2t encodes it) and its final norm. Call after init_drafter_from_target has set t2d."""
+    draft_ids = drafter.t2d.nonzero().squeeze(-1)
+    if tuple(target_lm_head_weight.shape) != (drafter.t2d.numel(), drafter.spec.hidden_size):
+        raise UserError(f"target lm_head has shape {tuple(target_lm_head_weight.shape)}, the drafter expects "
+                        f"({drafter.t2d.numel()}, {drafter.spec.hidden_size}): train.lm_head_init=target needs the drafter's "
+                        "hidden size to be the target's; use train.lm_head_init=random")
+    drafter.lm_head.weight.copy_(target_lm_head_weight[draft_ids])
+    drafter.norm.weight.copy_(target_final_norm_weight)

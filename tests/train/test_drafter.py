@@ -14,6 +14,7 @@ from draftsmith.train.drafter import (
     Drafter,
     RMSNorm,
     init_drafter_from_target,
+    init_head_from_target,
     rope_attention_factor,
     rope_inv_freq,
 )
@@ -231,3 +232,23 @@ def test_bfloat16_step_runs_and_keeps_dtype():
     positions = torch.arange(T).expand(B, T)
     next_hidden, logits = drafter(torch.randint(0, V, (B, T)), hidden, positions, causal_attention)
     assert next_hidden.dtype == logits.dtype == torch.bfloat16 and logits.shape == (B, T, V_D)
+
+
+def test_head_from_target_gives_the_targets_logits_over_the_draft_vocab():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    drafter = tiny_drafter()
+    used = torch.arange(1, 2 * V_D, 2)  # draft ids -> odd target ids
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    init_drafter_from_target(drafter, torch.randn(V, H), used - torch.arange(V_D), t2d)
+    target_head, target_norm = torch.randn(V, H), LlamaRMSNorm(H, eps=drafter.spec.rms_norm_eps)
+    with torch.no_grad():
+        target_norm.weight.copy_(torch.rand(H) + 0.5)
+    init_head_from_target(drafter, target_head, target_norm.weight.detach())
+    h = torch.randn(5, H)
+    with torch.no_grad():
+        target_logits = target_norm(h) @ target_head.T  # [5, V]
+        torch.testing.assert_close(drafter.lm_head(drafter.norm(h)), target_logits[:, drafter.d2t + torch.arange(V_D)])
+    with pytest.raises(ValueError, match="lm_head_init=random"):
+        init_head_from_target(drafter, target_head[:, :-1], target_norm.weight.detach())

@@ -97,3 +97,25 @@ def test_resume_with_changed_model_config_is_refused(tiny_run, tmp_path):
     eagle3.main(["--config", cfg, "train.max_steps=10", "train.eval_every=100"])
     with pytest.raises(ValueError, match="ttt.num_steps"):
         eagle3.main(["--config", cfg, "ttt.num_steps=2"])
+
+
+def test_a_frozen_target_head_stays_the_targets_while_the_rest_learns(tiny_run, tmp_path, tiny_target_dir):
+    from draftsmith.data.config import load_config
+    from draftsmith.data.target import load_target_head
+    from draftsmith.train.build import build_drafter, build_drafter_spec, load_checked_dataset
+
+    config = tiny_run(tmp_path, {"train": {"lm_head_init": "target", "freeze_lm_head": True, "max_steps": 6}})
+    cfg, _ = load_config(config, [])
+    _, _, aux_ids, target_path, hf_cfg = load_checked_dataset(cfg)
+    start = build_drafter(cfg, build_drafter_spec(cfg, hf_cfg, target_path, aux_ids, "eagle3"), target_path)
+    assert not start.lm_head.weight.requires_grad and start.fc.weight.requires_grad
+    eagle3.main(["--config", config])
+    weights, _, _ = load_drafter_bundle(tmp_path / "run" / "train" / "best")
+    head = load_target_head(str(tiny_target_dir))
+    draft_ids = weights["t2d"].nonzero().squeeze(-1)
+    assert torch.equal(start.lm_head.weight, head["lm_head"].float()[draft_ids])
+    assert torch.equal(weights["lm_head.weight"], start.lm_head.weight)
+    # the norm before the head starts as the target's final norm and trains, like every other weight
+    assert torch.equal(start.norm.weight, head["norm"].float())
+    for name in ("norm.weight", "fc.weight", "layers.0.self_attn.q_proj.weight"):
+        assert not torch.equal(weights[name], start.state_dict()[name]), name
