@@ -124,7 +124,7 @@ def training_rate(metrics_path: Path) -> dict:
             "losses": [r["loss"] for r in records]}
 
 
-def run_draftsmith_side(rows: list[dict], budget_tokens: int, seed: int) -> dict:
+def run_draftsmith_side(rows: list[dict], budget_tokens: int, seed: int, extra: list[str] = ()) -> dict:
     out = work_dir() / f"draftsmith-first{len(rows)}"
     conversations = anchor_jsonl(rows, out / "conversations.jsonl")
     base = draftsmith_overrides(out, conversations, 1) + [f"train.seed={seed}"]
@@ -136,7 +136,7 @@ def run_draftsmith_side(rows: list[dict], budget_tokens: int, seed: int) -> dict
         build_s, build_cached = run_stage("data/build.py", base, out / "build.log"), False
         (out / "build-time.json").write_text(json.dumps({"seconds": build_s}))
     steps, planned_tokens = steps_for_budget(paths.dataset.dir, budget_tokens, seed)
-    overrides = draftsmith_overrides(out, conversations, steps) + [f"train.seed={seed}"]
+    overrides = draftsmith_overrides(out, conversations, steps) + [f"train.seed={seed}", *extra]
     fresh_dir(paths.train)
     load_before = os.getloadavg()[0]
     train_s = run_stage("train/eagle3.py", overrides, out / "train.log")
@@ -147,7 +147,7 @@ def run_draftsmith_side(rows: list[dict], budget_tokens: int, seed: int) -> dict
     return {"build_s": build_s, "build_cached": build_cached, "dataset_dir": str(paths.dataset.dir),
             "num_train_samples": dataset.get("num_samples", {}), "steps": steps, "planned_tokens": planned_tokens,
             "train_process_s": train_s, "loadavg_1min": (load_before, load_after), "drafter_dir": str(drafter_dir),
-            **training_rate(paths.metrics)}
+            "overrides": list(extra), **training_rate(paths.metrics)}
 
 
 # ---- scoring both drafters the same way --------------------------------------------------------------------
@@ -243,6 +243,11 @@ def main(argv=None) -> None:
     p.add_argument("--rescore", action="store_true",
                    help="re-run only the held-out scorer on the drafters of the last report of this budget, rewrite "
                         "its simulated figures and print the comparison again (nothing is retrained or served)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for Draftsmith's trainer on top of the recipe (repeatable; printed)")
+    p.add_argument("--reuse-speculators", action="store_true",
+                   help="take speculators' side (its training figures and drafter) from the last report of this budget "
+                        "and seed instead of training it again; both drafters are still scored and served in this run")
     a = p.parse_args(argv)
     if a.rescore:
         return rescore(a.budget)
@@ -255,10 +260,14 @@ def main(argv=None) -> None:
     rows = rows[: speculators_side.num_conversations_for(budget, rows)]
     t0 = time.time()
     print(f"$ .venv/bin/python bench/vs_speculators.py --budget {a.budget} (seed {a.seed}); {len(rows)} anchor "
-          f"conversations, {budget} trained tokens per trainer, {os.cpu_count()} cores", flush=True)
-    spec_side = speculators_side.run_speculators_side(budget, a.seed, serve_check=False)
+          f"conversations, {budget} trained tokens per trainer, {os.cpu_count()} cores"
+          + "".join(f" --set {o}" for o in a.set) + (" --reuse-speculators" if a.reuse_speculators else ""), flush=True)
+    if a.reuse_speculators:
+        spec_side = reused_speculators_side(a.budget, a.seed)
+    else:
+        spec_side = speculators_side.run_speculators_side(budget, a.seed, serve_check=False)
     speculators_side.print_report(spec_side)
-    ours = run_draftsmith_side(rows, budget, a.seed)
+    ours = run_draftsmith_side(rows, budget, a.seed, a.set)
     drafters = {"draftsmith": Path(ours["drafter_dir"]), "speculators": Path(spec_side["train"]["checkpoint_dir"])}
     simulated = {name: heldout_simulated_acceptance(d, Path(ours["dataset_dir"]), target)
                  for name, d in drafters.items()}
@@ -268,6 +277,21 @@ def main(argv=None) -> None:
               "simulated": simulated, "served": served, "wall_s": time.time() - t0}
     (work_dir() / f"report-{a.budget}.json").write_text(json.dumps(report, indent=1, default=str))
     print_comparison(report)
+
+
+def reused_speculators_side(budget: str, seed: int) -> dict:
+    """speculators' side of the last report of this budget: its drafter must still be on disk."""
+    path = work_dir() / f"report-{budget}.json"
+    if not path.is_file():
+        raise SystemExit(f"--reuse-speculators: no earlier report {path}; run once without it")
+    report = json.loads(path.read_text())
+    if report["seed"] != seed:
+        raise SystemExit(f"--reuse-speculators: {path} is for seed {report['seed']}, not {seed}")
+    side = report["speculators"]
+    if not (Path(side["train"]["checkpoint_dir"]) / "config.json").is_file():
+        raise SystemExit(f"--reuse-speculators: speculators' drafter {side['train']['checkpoint_dir']} is gone")
+    print(f"speculators' side reused from {path} (trained in an earlier run; its tokens/s and memory are that run's)")
+    return side | {"reused_from": str(path)}
 
 
 def rescore(budget: str) -> None:
@@ -287,6 +311,8 @@ def rescore(budget: str) -> None:
 
 def print_comparison(r: dict) -> None:
     ours, theirs = r["draftsmith"], r["speculators"]["train"]
+    if ours.get("overrides"):
+        print(f"\nDraftsmith overrides on top of the recipe: {' '.join(ours['overrides'])}", end="")
     print(f"\nDraftsmith: data/build.py {'(cached) ' if ours['build_cached'] else ''}{ours['build_s']:.0f} s "
           f"(render + capture, fp32); {ours['steps']} steps, {ours['trained_tokens']} trained tokens, train process "
           f"{ours['train_process_s']:.0f} s, load {ours['loadavg_1min'][0]:.1f} -> {ours['loadavg_1min'][1]:.1f}")

@@ -16,6 +16,8 @@ import urllib.request
 from pathlib import Path
 from typing import Self
 
+import psutil
+
 from draftsmith.export.spec_metrics import SpecCounters, parse_spec_counters
 
 logger = logging.getLogger(__name__)
@@ -72,15 +74,14 @@ def cuda_available() -> bool:
 
 
 def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes in a process group, read from /proc."""
+    """Live (non-zombie) processes in a process group."""
     pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for p in psutil.process_iter(["status"]):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
+                pids.append(p.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess):
             continue  # the process ended while we looked
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            pids.append(int(stat.parent.name))
     return pids
 
 

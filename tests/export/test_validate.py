@@ -9,6 +9,7 @@ import os
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -191,11 +192,11 @@ def _edit_config(folder: Path, edit) -> None:
 def _processes_with_marker(marker: str) -> list[int]:
     """Pids whose environment carries `marker`: every process a test's servers started inherits it."""
     found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
+    for p in psutil.process_iter():
         try:
-            if marker.encode() in environ.read_bytes():
-                found.append(int(environ.parent.name))
-        except OSError:
+            if p.environ().get("DRAFTSMITH_TEST_MARKER") == marker:
+                found.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return [p for p in found if p != os.getpid()]
 
