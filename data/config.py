@@ -156,8 +156,7 @@ class DrafterConfig:
     def __post_init__(self):
         if self.fc_norm and self.norm_before_fc:
             raise ConfigError("drafter.fc_norm and drafter.norm_before_fc are exclusive: set one of them false")
-        if self.num_layers < 1:
-            raise ConfigError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
+        check_ranges("drafter", self, num_layers=(1, None))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,13 +184,10 @@ class PEagleConfig:
     """Flattened elements per forward; longer rows are partitioned with gradient accumulation."""
 
     def __post_init__(self):
-        if self.num_depths < 2:
-            raise ConfigError(f"peagle.num_depths must be >= 2, got {self.num_depths}")
+        check_ranges("peagle", self, num_depths=(2, None), partition_elements=(1, None), max_anchors=(0, None))
         if not 0 < self.down_sample_ratio_min <= self.down_sample_ratio <= 1:
             raise ConfigError("peagle ratios need 0 < down_sample_ratio_min <= down_sample_ratio <= 1, got "
                               f"{self.down_sample_ratio_min} and {self.down_sample_ratio}")
-        if self.partition_elements < 1 or self.max_anchors < 0:
-            raise ConfigError("peagle.partition_elements must be >= 1 and peagle.max_anchors >= 0")
 
 
 TRACKERS = ("tensorboard", "wandb")
@@ -257,17 +253,15 @@ class TrainConfig:
     'draftsmith[wandb]'; a resumed run continues the same wandb run). metrics.jsonl is always written."""
 
     def __post_init__(self):
-        for name in ("lr", "max_steps", "batch_tokens", "grad_accum"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
         unknown = sorted(set(self.report_to) - set(TRACKERS))
         if unknown:
             raise ConfigError(f"train.report_to: {unknown} are not trackers Draftsmith logs to (valid: {TRACKERS})")
-        for name in ("muon_lr", "muon_weight_decay", "weight_decay", "hidden_noise_std", "grad_clip"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
-        check_ranges("train", self, warmup_steps=(0, None), min_lr_ratio=(0, 1), betas=(0, 0.999999),
-                     log_every=(1, None), eval_every=(1, None), save_every=(1, None), eval_max_samples=(0, None),
+        check_ranges("train", self, max_steps=(1, None), batch_tokens=(1, None), grad_accum=(1, None),
+                     muon_lr=(0, None), muon_weight_decay=(0, None), weight_decay=(0, None),
+                     hidden_noise_std=(0, None), grad_clip=(0, None), warmup_steps=(0, None), min_lr_ratio=(0, 1),
+                     betas=(0, 0.999999), log_every=(1, None), eval_every=(1, None), save_every=(1, None), eval_max_samples=(0, None),
                      seed=(0, None))
 
 
