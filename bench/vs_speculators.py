@@ -153,39 +153,20 @@ def run_draftsmith_side(rows: list[dict], budget_tokens: int, seed: int, extra: 
 # ---- scoring both drafters the same way --------------------------------------------------------------------
 
 
-def load_exported_drafter(folder: Path, target_path: str):
-    """An exported speculators-format folder (ours or speculators') as a train/drafter.py Drafter, as vLLM loads it:
-    a folder without embed_tokens (ours) shares the target's embedding; one with it (speculators') uses its own."""
-    import torch
-
-    from draftsmith.data.target import load_target_head
-    from draftsmith.data.vocab import draft_to_target_ids
-    from draftsmith.export.format import spec_from_drafter_config
-    from draftsmith.train.drafter import Drafter, init_drafter_from_target
-    from draftsmith.train.warm_start import init_drafter_from_exported, read_exported_tensors
-
-    spec = spec_from_drafter_config(json.loads((folder / "config.json").read_text()), str(folder / "config.json"))
-    drafter = Drafter(spec)
-    d2t = read_exported_tensors(folder)["d2t"].long()
-    t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
-    t2d[draft_to_target_ids(d2t)] = True
-    init_drafter_from_target(drafter, load_target_head(target_path)["embed"].float(), d2t, t2d)
-    init_drafter_from_exported(drafter, folder)
-    return drafter.float().eval(), spec
-
-
 def heldout_simulated_acceptance(drafter_dir: Path, dataset_dir: Path, target_path: str) -> dict:
     """Per-step top-1 accuracy and simulated acceptance at K=1..3 on the held-out split, one scorer for both."""
     import torch
 
     from draftsmith.data.config import load_config
     from draftsmith.data.shards import ShardedDataset
+    from draftsmith.export.read import read_drafter_folder
     from draftsmith.train.build import load_teacher_head
     from draftsmith.train.eagle3 import ttt_row_loss
     from draftsmith.train.loop import accuracy_summary
     from draftsmith.train.packing import pack_planned_row, plan_eval_rows
 
-    drafter, spec = load_exported_drafter(drafter_dir, target_path)
+    drafter = read_drafter_folder(drafter_dir, target_path)
+    spec = drafter.spec
     cfg, _ = load_config("smollm2-demo", ["ttt.num_steps=3"])
     heldout = ShardedDataset(dataset_dir, "heldout")
     teacher_weight = load_teacher_head(target_path)

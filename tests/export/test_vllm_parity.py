@@ -22,8 +22,9 @@ import torch
 
 from draftsmith.data.config import DrafterConfig
 from draftsmith.export import format as fmt
+from draftsmith.export.read import drafter_as_served
 from draftsmith.export.write import write_drafter_folder
-from draftsmith.train.drafter import Drafter, init_drafter_from_target
+from draftsmith.train.drafter import Drafter
 from draftsmith.train.spec import spec_for_target
 from draftsmith.train.ttt import TTTAttention, shift_tokens
 
@@ -172,15 +173,10 @@ def recorded(tmp_path_factory):
 
 
 def our_drafter(spec, weights, target: str) -> Drafter:
-    """train/drafter.py as the trainer builds it, holding the exported weights; embed_tokens is the target's
-    unless the drafter carries its own (P-EAGLE), as vLLM shares it."""
+    """train/drafter.py holding the written weights, as the benches' scorer reads an exported folder."""
     from draftsmith.data.target import load_target_head
 
-    drafter = Drafter(spec)
-    init_drafter_from_target(drafter, load_target_head(target)["embed"].float(), weights["d2t"], weights["t2d"])
-    missing, unexpected = drafter.load_state_dict(weights, strict=False)
-    assert not unexpected and set(missing) <= {"embed_tokens.weight", "mask_hidden"}, (missing, unexpected)
-    return drafter.float().eval()
+    return drafter_as_served(spec, weights, load_target_head(target)["embed"].float())
 
 
 def target_vocab_logits(drafter, normed: torch.Tensor) -> torch.Tensor:
