@@ -180,15 +180,15 @@ def heldout_simulated_acceptance(drafter_dir: Path, dataset_dir: Path, target_pa
 
 
 def serve_side_by_side(target: str, drafters: dict[str, Path], prompts_path: Path, num_prompts: int,
-                       max_tokens: int, log_dir: Path) -> dict:
-    """The target alone, then each drafter at K=3, on the same prompts through the same vLLM."""
+                       max_tokens: int, log_dir: Path, k: int = SERVE_K, parallel_drafting: bool = False) -> dict:
+    """The target alone, then each drafter at K (3), on the same prompts through the same vLLM."""
     from transformers import AutoTokenizer
 
     from draftsmith.export import acceptance, serve
     from draftsmith.export.validate import load_prompt_ids
 
     prompts = load_prompt_ids(prompts_path, num_prompts, AutoTokenizer.from_pretrained(target))
-    plan = [("none", None)] + [(name, serve.drafter_spec_config(d, SERVE_K, False)) for name, d in drafters.items()]
+    plan = [("none", None)] + [(name, serve.drafter_spec_config(d, k, parallel_drafting)) for name, d in drafters.items()]
     runs = {label: serve.measure_served_run(target, label, spec, prompts, max_tokens=max_tokens, concurrency=32,
                                             log_dir=log_dir, dtype="float32", start_timeout_s=900)
             for label, spec in plan}

@@ -182,6 +182,9 @@ class PEagleConfig:
     """Cap on loss-masked anchor positions per packed row (0 = no cap)."""
     partition_elements: int = 4096
     """Flattened elements per forward; longer rows are partitioned with gradient accumulation."""
+    loss_weighting: Literal["elements", "depths"] = "elements"
+    """elements: the mean soft CE over every scored element, so COD weights depth d by its sample count (depth 0
+    most); depths: the mean over depths of each depth's mean, every depth equal (bench/peagle_weighting.py)."""
 
     def __post_init__(self):
         check_ranges("peagle", self, num_depths=(2, None), partition_elements=(1, None), max_anchors=(0, None))

@@ -248,21 +248,21 @@ def element_inputs(drafter, input_ids, aux_hidden, position_ids, anchor, depth, 
 
 
 def depth_loss_sums(head_inputs, head_weight, teacher: TeacherTargets, target, scored, depth_sizes: list[int]):
-    """Soft-CE sum over scored elements; top-1 hits and counts per depth [D]. Elements are depth-major.
+    """Soft-CE sums, top-1 hits and counts, each per depth [D], over scored elements. Elements are depth-major.
 
     head_inputs [N, H] (the draft head's input, norm(h)); target [N]: the shifted index each element is scored
     at; scored [N] bool; depth_sizes: elements per depth (summing to N). The head runs only at scored elements,
     fused with its loss (train/loss.py).
     """
-    ce_sum, correct, count = 0.0, [], []
+    ce_sums, correct, count = [], [], []
     pieces = zip(head_inputs.split(depth_sizes), target.split(depth_sizes), scored.split(depth_sizes))
     for depth_inputs, depth_target, depth_scored in pieces:
         rows = teacher.slot[0, depth_target[depth_scored]]
         ce, hits = head_soft_cross_entropy(depth_inputs[depth_scored], head_weight, teacher, rows)
-        ce_sum = ce_sum + ce
+        ce_sums.append(ce)
         correct.append(hits)
         count.append(depth_scored.sum())
-    return ce_sum, torch.stack(correct), torch.stack(count)
+    return torch.stack(ce_sums), torch.stack(correct), torch.stack(count)
 
 
 # ---- sequence partitioning ---------------------------------------------------------------------------------
@@ -276,6 +276,8 @@ class ParallelSetup:
     """Depths D trained (metrics have D entries)."""
     partition_elements: int = 4096
     """Scored elements per forward; more are split into partitions (0 = never split)."""
+    loss_weighting: str = "elements"
+    """elements (mean over scored elements) or depths (mean over depths of each depth's mean)."""
     attention_impl: str = "blockwise"
     """blockwise (CPU) or flex (GPU)."""
     chunk_size: int = 512
@@ -299,7 +301,7 @@ def plan_partitions(anchor, depth, document_ids, max_elements: int) -> list[tupl
 
 
 def partition_loss_sums(drafter, row: ShiftedRow, anchor, depth, part, setup: ParallelSetup):
-    """(ce_sum, correct [D], count [D]) of one partition; exact: its window holds all keys its queries see."""
+    """(ce_sum [D], correct [D], count [D]) of one partition; exact: its window holds all keys its queries see."""
     start, lo, end = part
     keep = (anchor >= start) & (anchor < end) & ((depth == 0) | (anchor >= lo))  # order stays depth-major
     a, d = anchor[keep], depth[keep]  # CPU
@@ -319,7 +321,9 @@ def partition_loss_sums(drafter, row: ShiftedRow, anchor, depth, part, setup: Pa
 
 
 def parallel_loss(drafter, row: ShiftedRow, anchor, depth, setup: ParallelSetup):
-    """Mean soft CE over all scored elements (uniform over depths) and per-depth metrics [D] as tensors.
+    """The soft CE weighted per setup.loss_weighting, and per-depth metrics [D] as tensors: elements = the mean
+    over all scored elements (a depth weighs by its COD count), depths = the mean over the depths that have
+    scored elements of each one's mean.
 
     With several partitions each one is checkpointed: backward re-runs them one at a time, so the returned
     loss has the exact unpartitioned gradient while only one partition's activations live at once.
@@ -331,6 +335,9 @@ def parallel_loss(drafter, row: ShiftedRow, anchor, depth, setup: ParallelSetup)
         fn = functools.partial(partition_loss_sums, drafter, row, anchor, depth, part, setup)
         ce, hits, n = checkpoint(fn, use_reentrant=False) if use_checkpoint else fn()
         ce_sum, correct, count = ce_sum + ce, correct + hits, count + n
-    loss = ce_sum / count.sum().clamp(min=1)
+    if setup.loss_weighting == "depths":
+        loss = (ce_sum / count.clamp(min=1)).sum() / (count > 0).sum().clamp(min=1)
+    else:
+        loss = ce_sum.sum() / count.sum().clamp(min=1)
     metrics = {"loss": loss.detach(), "acc": correct / count.clamp(min=1), "correct": correct, "count": count}
     return loss, metrics

@@ -95,7 +95,7 @@ def build_method(cfg: RunConfig, model, target_path, device) -> Method:
     teacher_weight = load_teacher_head(target_path).to(device)
     t2d = model.t2d.to(device)
     setup = ParallelSetup(mask_token_id=model.spec.mask_token_id, num_depths=cfg.peagle.num_depths,
-                          partition_elements=cfg.peagle.partition_elements,
+                          partition_elements=cfg.peagle.partition_elements, loss_weighting=cfg.peagle.loss_weighting,
                           attention_impl=pick_attention_impl(cfg.train.attention, device))
 
     def row_loss(drafter, row):

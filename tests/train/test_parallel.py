@@ -267,21 +267,25 @@ def shifted_row(seed: int = 2) -> ShiftedRow:
                       scored=row["loss_mask"] & in_vocab)
 
 
-def reference_loss(drafter, row: ShiftedRow, anchor, depth, mask) -> torch.Tensor:
-    """Dense-mask forward and a plain soft-CE mean over the scored elements (teacher at a + d)."""
+def reference_loss(drafter, row: ShiftedRow, anchor, depth, mask, weighting: str) -> torch.Tensor:
+    """Dense-mask forward and a plain soft-CE mean (teacher at a + d): over the scored elements, or over depths of
+    each depth's mean."""
     tokens, hidden, positions = element_inputs(drafter, row.input_ids, row.aux_hidden, row.position_ids,
                                                anchor, depth, MASK_ID)
     _, logits = drafter(tokens, hidden, positions, lambda layer, q, k, v: dense_attention(q, k, v, mask))
-    total, count = 0.0, 0
+    total, count = {}, {}
     for i, (a, d) in enumerate(zip(anchor.tolist(), depth.tolist())):
         if row.scored[a + d]:
             teacher = row.teacher.probs[a + d]
-            total = total - (teacher * torch.log_softmax(logits[0, i], -1)).sum()
-            count += 1
-    return total / count
+            total[d] = total.get(d, 0.0) - (teacher * torch.log_softmax(logits[0, i], -1)).sum()
+            count[d] = count.get(d, 0) + 1
+    if weighting == "elements":
+        return sum(total.values()) / sum(count.values())
+    return sum(total[d] / count[d] for d in total) / len(total)
 
 
-def test_partitioned_gradients_equal_unpartitioned_and_the_dense_reference():
+@pytest.mark.parametrize("weighting", ["elements", "depths"])
+def test_partitioned_gradients_equal_unpartitioned_and_the_dense_reference(weighting):
     row = shifted_row()
     packed = packed_row()
     anchor, depth = cod_sample(row.loss_mask, row.document_ids, D, 0.9, 0.5, 0,
@@ -291,7 +295,7 @@ def test_partitioned_gradients_equal_unpartitioned_and_the_dense_reference():
     results = []
     for partition_elements in (0, 7):
         setup = ParallelSetup(mask_token_id=MASK_ID, num_depths=D, partition_elements=partition_elements,
-                              chunk_size=4)
+                              chunk_size=4, loss_weighting=weighting)
         drafter.zero_grad()
         loss, metrics = parallel_loss(drafter, row, anchor, depth, setup)
         loss.backward()
@@ -299,7 +303,8 @@ def test_partitioned_gradients_equal_unpartitioned_and_the_dense_reference():
     drafter.zero_grad()
     descriptors = training_descriptors(torch.where(depth > 0, MASK_ID, row.input_ids[0, anchor]),
                                        row.position_ids[0, anchor] + depth, anchor, depth)
-    want = reference_loss(drafter, row, anchor, depth, brute_force_mask(packed, anchor, depth, descriptors))
+    want = reference_loss(drafter, row, anchor, depth, brute_force_mask(packed, anchor, depth, descriptors),
+                          weighting)
     want.backward()
     (whole, m0, g0), (parts, m1, g1) = results
     torch.testing.assert_close(whole, want.detach(), rtol=1e-10, atol=1e-12)
