@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.data.errors import UserError
 from draftsmith.data.manifest import atomic_write_json
 
 logger = logging.getLogger(__name__)
@@ -66,17 +67,35 @@ def pick_mixed_precision(setting: str, on_cuda: bool, speedup=cpu_bf16_speedup) 
 def run_mixed_precision(setting: str, on_cuda: bool, record: Path, state, speedup=cpu_bf16_speedup) -> str:
     """The run's mixed precision, the same on every process of `state` (an initialized accelerate PartialState)
     and across resumes: the main process reads `record` (auto only) or decides, then tells the others."""
-    choice = None
+    choice = error = None
     if state.is_main_process:
-        if setting == "auto" and record.is_file():
-            choice = json.loads(record.read_text())["mixed_precision"]
+        try:
+            choice = recorded_choice(record) if setting == "auto" and record.is_file() else None
+        except UserError as e:
+            error = str(e)
+        if choice is not None:
             logger.info("train.precision auto: %s, as this run chose at its start (%s)", choice, record)
-        else:
+        elif error is None:
             choice = pick_mixed_precision(setting, on_cuda, speedup)
             record.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_json(record, {"setting": setting, "mixed_precision": choice})
-    if state.num_processes > 1:
-        box = [choice]
+    if state.num_processes > 1:  # the error travels too: a process left waiting here would hang the launch
+        box = [(choice, error)]
         torch.distributed.broadcast_object_list(box, src=0)
-        choice = box[0]
+        choice, error = box[0]
+    if error:
+        raise UserError(error)
+    return choice
+
+
+def recorded_choice(record: Path) -> str:
+    """The mixed precision a run recorded at its start; a clear error if the record is damaged."""
+    fix = ("set train.precision to bf16 or fp32 to resume in the precision the run started with, or delete the "
+           "file to let this run probe again")
+    try:
+        choice = json.loads(record.read_text())["mixed_precision"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise UserError(f"{record} is damaged ({type(e).__name__}: {e}); {fix}") from None
+    if choice not in ("bf16", "no"):
+        raise UserError(f"{record} records mixed_precision {choice!r}, not bf16 or no; {fix}")
     return choice

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from draftsmith.data.errors import UserError
 from draftsmith.train.loss import teacher_targets, ttt_loss
 from draftsmith.train.precision import (
     MIN_CPU_BF16_SPEEDUP,
@@ -48,7 +49,10 @@ def _decide_in_process(rank: int, record, port: int, out) -> None:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     state = SimpleNamespace(is_main_process=rank == 0, num_processes=2)
     # each process's own probe would disagree; the main process's decision must reach both
-    choice = run_mixed_precision("auto", False, record, state, (lambda: 6.0) if rank == 0 else (lambda: 0.1))
+    try:
+        choice = run_mixed_precision("auto", False, record, state, (lambda: 6.0) if rank == 0 else (lambda: 0.1))
+    except UserError as e:
+        choice = f"UserError: {e}"
     (out / f"rank{rank}").write_text(choice)
     torch.distributed.destroy_process_group()
 
@@ -59,6 +63,20 @@ def test_every_process_trains_in_the_main_process_precision(tmp_path):
         port = s.getsockname()[1]
     torch.multiprocessing.spawn(_decide_in_process, args=(tmp_path / "precision.json", port, tmp_path), nprocs=2)
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["bf16", "bf16"]
+
+
+@pytest.mark.parametrize("content", ['{"mixed_precision": "bf1', '{"setting": "auto"}', '{"mixed_precision": "fp8"}'])
+def test_a_damaged_record_stops_every_process_with_its_path(tmp_path, content):
+    record = tmp_path / "precision.json"
+    record.write_text(content)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # the main process finds the damage; the other must hear of it rather than wait in the broadcast
+    torch.multiprocessing.spawn(_decide_in_process, args=(record, port, tmp_path), nprocs=2)
+    for r in (0, 1):
+        said = (tmp_path / f"rank{r}").read_text()
+        assert said.startswith(f"UserError: {record}") and "train.precision" in said, said
 
 
 def test_the_probe_measures_this_cpu():
