@@ -68,7 +68,8 @@ def plot_acceptance(r: dict, path: Path) -> None:
 
     series = [(f"{r['method']} (AL {r['acceptance_length']:.2f})", r["acceptance_rate_per_position"])]
     if r["ngram"]:
-        series.append((f"ngram (AL {r['ngram']['acceptance_length']:.2f})", r["ngram"]["acceptance_rate_per_position"]))
+        series.append((f"ngram (AL {r['ngram']['acceptance_length']:.2f} per draft, "
+                       f"{r['ngram']['tokens_per_target_step']:.2f} per step)", r["ngram"]["acceptance_rate_per_position"]))
     fig, ax = plt.subplots(figsize=(6, 3.5))
     width = 0.8 / len(series)
     for j, (name, rates) in enumerate(series):
@@ -85,10 +86,13 @@ def plot_acceptance(r: dict, path: Path) -> None:
 
 
 def print_summary(r: dict, report_path: Path) -> None:
-    tok = r["output_tokens_per_s"]
-    ngram = f", ngram {r['ngram']['acceptance_length']:.2f}" if r["ngram"] else ""
-    print(f"{r['method']} K={r['num_speculative_tokens']}: acceptance length {r['acceptance_length']:.3f}{ngram}; "
-          f"lossless {r['lossless']}; {tok['with_drafter']:.1f} vs {tok['without_drafter']:.1f} output tokens/s "
-          f"without drafter; recommended K {r['recommended_k']}"
-          + ("; TRAIN/SERVE MISMATCH" if r["train_serve_mismatch"]["mismatch"] else ""))
+    """One line that compares like with like: tokens per target step and output tokens/s of the drafter, n-gram
+    and the target alone (n-gram's acceptance length counts only the steps where it proposed: not comparable)."""
+    tok, per_step = r["output_tokens_per_s"], r["tokens_per_target_step"]
+    ngram = (f"; ngram {r['ngram']['tokens_per_target_step']:.3f} tokens/step, "
+             f"{r['ngram']['output_tokens_per_s']:.1f} tok/s" if r["ngram"] else "")
+    print(f"{r['method']} K={r['num_speculative_tokens']}: {per_step['drafter']:.3f} tokens per target step "
+          f"(acceptance length {r['acceptance_length']:.3f}), {tok['with_drafter']:.1f} output tokens/s{ngram}; "
+          f"target alone {tok['without_drafter']:.1f} tok/s; lossless {r['lossless']}; recommended K "
+          f"{r['recommended_k']}" + ("; TRAIN/SERVE MISMATCH" if r["train_serve_mismatch"]["mismatch"] else ""))
     print(f"report: {report_path}")

@@ -17,7 +17,7 @@ from draftsmith.data.cli import run_entry
 from draftsmith.data.config import DrafterConfig
 from draftsmith.export import acceptance, serve, server, spec_metrics, validate
 from draftsmith.export import format as fmt
-from draftsmith.export.report import plot_acceptance, render_markdown
+from draftsmith.export.report import plot_acceptance, print_summary, render_markdown
 from draftsmith.export.write import write_drafter_folder
 from draftsmith.train.spec import spec_for_target
 
@@ -276,7 +276,7 @@ def _served(label, token_ids, latencies_s, delta=None):
     return serve.ServedRun(label, token_ids, latencies_s, wall_s=2.0, start_s=90.0, delta=delta)
 
 
-def test_report_from_measured_runs(tmp_path):
+def test_report_from_measured_runs(tmp_path, capsys):
     from draftsmith.data.config import load_config
 
     run_dir = tmp_path / "run"
@@ -323,6 +323,10 @@ def test_report_from_measured_runs(tmp_path):
     assert "| eagle3 | 3 | 2.00 | 1.67 |" in markdown and "**Recommended K: 1**" in markdown
     plot_acceptance(report, tmp_path / "acc.png")
     assert (tmp_path / "acc.png").read_bytes()[:4] == b"\x89PNG"
+    # the summary line sets like beside like: tokens per target step; n-gram's per-draft AL (1.25) stays out
+    print_summary(report, tmp_path / "validation.md")
+    line = capsys.readouterr().out.splitlines()[0]
+    assert "1.667 tokens per target step" in line and "ngram 1.111 tokens/step" in line and "1.250" not in line
 
     # one K: no entries list; the table row comes from the top-level numbers
     single_cfg, _ = load_config(str(_write_yaml(tmp_path, run_dir, "  num_speculative_tokens: [3]\n")))
