@@ -6,11 +6,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STAGE_TIMEOUT_S = 1800
+# every stage's stdout and stderr, in order: tests grep them (a planted secret must never be printed)
+OUTPUTS: list[str] = []
 
 
 def run_stage(script: str, *args: str, cwd: Path, config: str = "smollm2-quick") -> str:
     proc = subprocess.run([sys.executable, str(REPO / script), "--config", config, *args], cwd=cwd,
                           capture_output=True, text=True, timeout=STAGE_TIMEOUT_S, check=False,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    OUTPUTS.append(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout

@@ -3,16 +3,26 @@ in vLLM (both export formats) -> push dry run. Every stage runs for real, as `ma
 import json
 
 import pytest
+import stages
 from stages import run_stage
 
 from draftsmith.data.manifest import read_json
 
 pytestmark = pytest.mark.slow
 
+# a Hub token every stage of this chain sees (HF_TOKEN, as a logged-in user has): it must never be written or printed
+PLANTED_TOKEN = "hf_DraftsmithPlantedTokenNeverToBeWritten0123"
+
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory, quick_dataset):
-    work = tmp_path_factory.mktemp("quick")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_TOKEN", PLANTED_TOKEN)
+        yield from _quick_run(tmp_path_factory, quick_dataset)
+
+
+def _quick_run(tmp_path_factory, quick_dataset):
+    work, first_output = tmp_path_factory.mktemp("quick"), len(stages.OUTPUTS)
     out = (f"output_dir={work / 'run'}", f"data.dataset_dir={quick_dataset}")
     run_stage("data/build.py", *out, cwd=work)  # the shared dataset is complete: the build finds it and returns
     run_stage("data/check.py", *out, "--samples", "4", cwd=work)
@@ -20,7 +30,12 @@ def quick_run(tmp_path_factory, quick_dataset):
     run_stage("export/speculators.py", *out, cwd=work)
     run_stage("export/speculators.py", *out, "--format", "legacy", "--out", str(work / "run" / "drafter-legacy"),
               cwd=work)
-    return work, out
+    yield work, out
+    # after every test of this module: nothing the chain wrote or printed holds the token (config copies,
+    # metrics.jsonl, TensorBoard events, logs, the exported folders, validation files, the model card)
+    written = [p for p in work.rglob("*") if p.is_file() and PLANTED_TOKEN.encode() in p.read_bytes()]
+    printed = [i for i, text in enumerate(stages.OUTPUTS[first_output:]) if PLANTED_TOKEN in text]
+    assert written == [] and printed == [], (written, printed)
 
 
 def test_dataset_matches_manifest(quick_run, quick_dataset):
