@@ -3,6 +3,7 @@ states in shards -> draft vocab. Usage: python data/build.py --config smollm2-de
 `accelerate launch --num_processes N data/build.py ...` captures with N processes; --dry-run prints the disk plan."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -21,6 +22,7 @@ from draftsmith.data.config import DataConfig, RunConfig, config_sha256, config_
 from draftsmith.data.disk import bytes_per_token, describe_disk_plan, planned_tokens, require_free_space
 from draftsmith.data.errors import UserError
 from draftsmith.data.layer_ids import resolve_aux_layer_ids
+from draftsmith.data.lock import dataset_build_lock
 from draftsmith.data.manifest import (
     atomic_write_bytes,
     atomic_write_json,
@@ -219,7 +221,10 @@ def main(argv=None) -> None:
     log_run_header("data/build", args.config)
     procs = start_build_processes(cfg.target.device_map)
     try:
-        build_dataset(cfg, procs, args.dry_run)
+        # one writer per folder: the main process holds its lock (the others write only their shards)
+        holds_lock = procs.is_main and not args.dry_run
+        with dataset_build_lock(cfg.paths.dataset.build_lock) if holds_lock else contextlib.nullcontext():
+            build_dataset(cfg, procs, args.dry_run)
     finally:
         end_build_processes(procs)
 

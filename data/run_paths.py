@@ -37,6 +37,11 @@ class DatasetPaths:
         return self.dir / "build.json"
 
     @property
+    def build_lock(self) -> Path:
+        """Held by the build writing the folder: its pid, host and start time (data/lock.py)."""
+        return self.dir / "build.lock"
+
+    @property
     def vocab(self) -> Path:
         return self.dir / "vocab.safetensors"
 
