@@ -15,7 +15,7 @@ import torch
 from draftsmith.data.cli import save_resolved_config
 from draftsmith.data.config import RunConfig, TrainConfig, config_sha256, config_to_dict
 from draftsmith.data.errors import UserError
-from draftsmith.data.manifest import atomic_write_json
+from draftsmith.data.manifest import atomic_write_json, sha256_file
 from draftsmith.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -111,6 +111,8 @@ class Trainer:
             raise UserError(f"{heldout_ds.dir}: the held-out split is empty; set data.prompts.heldout_fraction > 0 "
                             "and rebuild the dataset")
         self.eval_rows: dict[int, dict] = {}  # this process's packed held-out rows, read once
+        # the manifest lists every shard's sha256: its own hash names the exact data a checkpoint was trained on
+        self.dataset_sha256 = sha256_file(self.paths.dataset.manifest)
         self.pos, self.step, self.best = DataPosition(), 0, -1.0
         self.best_k = cfg.export.num_speculative_tokens[0]
         self.log = MetricsLog(self.paths, cfg, accelerator, enabled=accelerator.is_main_process)
@@ -126,6 +128,11 @@ class Trainer:
             raise UserError(f"{ckpt} was made with a different config; differing fields: "
                              f"{diff_fields(stored, resumable_config(self.cfg))}. "
                              f"Use another output_dir or delete {self.paths.train}")
+        trained_on = state.get("dataset_manifest_sha256", self.dataset_sha256)  # absent in older checkpoints
+        if trained_on != self.dataset_sha256:
+            raise UserError(f"{ckpt} was trained on another dataset: its manifest had sha256 {trained_on[:16]}, "
+                            f"{self.paths.dataset.manifest} now has {self.dataset_sha256[:16]} (rebuilt or replaced "
+                            f"since); resume on the data it started with, or start over in another output_dir")
         self.step, self.best = state["step"], state["best"]
         self.pos.load_state_dict(state["data_position"])
         self.acc.step = 0  # accelerate's micro-step counter: a step boundary, whatever grad_accum was before
@@ -224,6 +231,7 @@ class Trainer:
         save_checkpoint(self.acc, self.paths.checkpoints, self.step, {
             "step": self.step, "best": self.best, "data_position": self.pos.state_dict(),
             "world_size": self.world, "config_sha256": config_sha256(self.cfg),
+            "dataset_manifest_sha256": self.dataset_sha256,
             "resumable_config": resumable_config(self.cfg), "config": config_to_dict(self.cfg)},
             drafter=(state, self.method.drafter_spec))
 

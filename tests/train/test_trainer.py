@@ -99,6 +99,21 @@ def test_resume_with_changed_model_config_is_refused(tiny_run, tmp_path):
         eagle3.main(["--config", cfg, "ttt.num_steps=2"])
 
 
+def test_resume_on_a_rebuilt_dataset_is_refused_naming_both_manifests(tiny_run, tmp_path):
+    cfg = tiny_run(tmp_path)
+    eagle3.main(["--config", cfg, "train.max_steps=10", "train.eval_every=100"])
+    manifest = tmp_path / "run" / "dataset" / "manifest.json"
+    before = manifest.read_bytes()
+    # another build of the folder (here: one more field) under the same config
+    manifest.write_text(json.dumps({**json.loads(before), "rebuilt": True}))
+    with pytest.raises(UserError, match=r"trained on another dataset: its manifest had sha256 [0-9a-f]{16}, .*"
+                                        r"manifest.json now has [0-9a-f]{16}"):
+        eagle3.main(["--config", cfg, "train.max_steps=12"])
+    manifest.write_bytes(before)  # the data it started with: the resume goes on
+    eagle3.main(["--config", cfg, "train.max_steps=12"])
+    assert [m["step"] for m in _metrics(tmp_path / "run") if "eval_sim_al" in m][-1] == 12
+
+
 def test_a_frozen_target_head_stays_the_targets_while_the_rest_learns(tiny_run, tmp_path, tiny_target_dir):
     from draftsmith.data.config import load_config
     from draftsmith.data.target import load_target_head
