@@ -11,11 +11,23 @@ import yaml
 
 from draftsmith.data.cli import build_arg_parser, parse_run_args, run_entry
 from draftsmith.data.errors import UserError
-from draftsmith.data.manifest import read_json
+from draftsmith.data.manifest import read_json, sha256_file
 from draftsmith.export.format import spec_from_drafter_config
 from draftsmith.export.hub import model_card, push_folder, stage_upload_folder
 
 logger = logging.getLogger("draftsmith.export.push")
+
+
+def check_validated_drafter(validation: dict, report: Path, drafter_dir: Path) -> None:
+    """The card publishes the report's figures: they must have been measured on these very weights."""
+    weights = drafter_dir / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{weights} not found: export the drafter first (export/speculators.py)")
+    validated, actual = validation.get("drafter_weights_sha256"), sha256_file(weights)
+    if validated != actual:
+        said = f"validated weights with sha256 {validated[:16]}" if validated else "names no validated weights"
+        raise UserError(f"{report} {said} ({validation.get('drafter_dir', '?')}), but {weights} has sha256 "
+                        f"{actual[:16]}: validate this drafter first (export/validate.py --drafter {drafter_dir})")
 
 
 def main(argv=None) -> None:
@@ -30,6 +42,7 @@ def main(argv=None) -> None:
     paths = cfg.paths
     drafter_dir = Path(args.drafter) if args.drafter else paths.drafter
     validation = read_json(paths.validation_json, "validation report (run export/validate.py first)")
+    check_validated_drafter(validation, paths.validation_json, drafter_dir)
     spec = spec_from_drafter_config(read_json(drafter_dir / "config.json", "exported drafter config"),
                                     str(drafter_dir / "config.json"))
     train_config = yaml.safe_load(paths.train_config_copy.read_text()) if paths.train_config_copy.is_file() else {}

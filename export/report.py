@@ -68,8 +68,9 @@ def plot_acceptance(r: dict, path: Path) -> None:
 
     series = [(f"{r['method']} (AL {r['acceptance_length']:.2f})", r["acceptance_rate_per_position"])]
     if r["ngram"]:
-        series.append((f"ngram (AL {r['ngram']['acceptance_length']:.2f} per draft, "
-                       f"{r['ngram']['tokens_per_target_step']:.2f} per step)", r["ngram"]["acceptance_rate_per_position"]))
+        label = (f"ngram (AL {r['ngram']['acceptance_length']:.2f} per draft, "
+                 f"{r['ngram']['tokens_per_target_step']:.2f} per step)")
+        series.append((label, r["ngram"]["acceptance_rate_per_position"]))
     fig, ax = plt.subplots(figsize=(6, 3.5))
     width = 0.8 / len(series)
     for j, (name, rates) in enumerate(series):

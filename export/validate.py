@@ -23,7 +23,7 @@ from draftsmith.data.chat import (
 from draftsmith.data.cli import build_arg_parser, git_commit, log_run_header, parse_run_args, run_entry
 from draftsmith.data.errors import UserError
 from draftsmith.data.layer_ids import normalize_aux_layer_ids
-from draftsmith.data.manifest import atomic_write_bytes, atomic_write_json, read_json
+from draftsmith.data.manifest import atomic_write_bytes, atomic_write_json, read_json, sha256_file
 from draftsmith.data.target import load_target_config, load_tokenizer, resolve_target_path
 from draftsmith.export import acceptance, serve
 from draftsmith.export.format import spec_from_drafter_config
@@ -211,6 +211,8 @@ def run_validation(argv) -> None:
     prompts = load_prompt_ids(prompts_path, cfg.export.num_validation_prompts, load_tokenizer(target))
     runs = serve_all(cfg, target, drafter_dir, drafter["method"] == "peagle", prompts)
     report = build_report(cfg, runs, drafter, drafter_dir, target, default_prompts=args.prompts is None)
+    # which weights these figures belong to: export/push.py refuses to publish them beside another drafter
+    report["drafter_weights_sha256"] = sha256_file(drafter_dir / "model.safetensors")
     atomic_write_json(paths.validation_json, report)
     atomic_write_bytes(paths.validation_md, render_markdown(report).encode())
     plot_acceptance(report, paths.validation_plot)

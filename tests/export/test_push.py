@@ -1,4 +1,5 @@
 """The Hub push dry run: the exact upload folder, its file list, and a card built from validation.json."""
+import hashlib
 import json
 
 import pytest
@@ -25,7 +26,8 @@ def _run_dir(tmp_path):
                        aux_layer_ids=(2, 15, 27), verifier_name_or_path="/cache/smollm2")
     (run / "drafter" / "config.json").write_text(json.dumps(speculators_config(spec, 3)))
     (run / "drafter" / "model.safetensors").write_bytes(b"weights")
-    (run / "validation.json").write_text(json.dumps(VALIDATION))
+    (run / "validation.json").write_text(json.dumps(
+        VALIDATION | {"drafter_dir": str(run / "drafter"), "drafter_weights_sha256": hashlib.sha256(b"weights").hexdigest()}))
     cfg = tmp_path / "c.yaml"
     cfg.write_text(json.dumps({"output_dir": str(run)}))
     return run, str(cfg)
@@ -64,3 +66,15 @@ def test_missing_validation_report_is_a_clear_error(tmp_path):
     (run / "validation.json").unlink()
     with pytest.raises(FileNotFoundError, match="run export/validate.py first"):
         push.main(["--config", cfg, "--repo-id", "me/x", "--dry-run"])
+
+
+def test_a_drafter_other_than_the_validated_one_is_refused(tmp_path):
+    run, cfg = _run_dir(tmp_path)
+    other = tmp_path / "other-drafter"
+    other.mkdir()
+    (other / "config.json").write_bytes((run / "drafter" / "config.json").read_bytes())
+    (other / "model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(ValueError, match=r"validated weights with sha256 [0-9a-f]{16} \(.*run/drafter\), but "
+                                         r".*other-drafter/model.safetensors has sha256 [0-9a-f]{16}: validate this"):
+        push.main(["--config", cfg, "--repo-id", "me/x", "--dry-run", "--drafter", str(other)])
+    assert not (run / "hub").exists()  # refused before staging anything
