@@ -19,7 +19,14 @@ from draftsmith.data.cli import (
     save_resolved_config,
 )
 from draftsmith.data.config import DataConfig, RunConfig, config_sha256, config_to_dict
-from draftsmith.data.disk import bytes_per_token, describe_disk_plan, planned_tokens, require_free_space
+from draftsmith.data.disk import (
+    bytes_per_token,
+    describe_disk_plan,
+    disk_full_reported,
+    planned_tokens,
+    require_free_space,
+    shard_bytes_on_disk,
+)
 from draftsmith.data.errors import UserError
 from draftsmith.data.layer_ids import resolve_aux_layer_ids
 from draftsmith.data.lock import dataset_build_lock
@@ -191,26 +198,27 @@ def build_dataset(cfg: RunConfig, procs: BuildProcesses, dry_run: bool) -> None:
         print(describe_disk_plan(out, tokens, per_token, samples is None))
         return
     require_free_space(out, tokens * per_token)
-    if procs.is_main:
-        write_build_inputs(cfg, identity, aux_ids, train, heldout)
-        convs = regenerated_conversations(records, tokenizer, target_path, identity, cfg, ds)
-    wait_for_all(procs)  # the folder is written and every response generated
-    if not procs.is_main:  # reads the main process's responses back: nothing is left to generate
-        convs = regenerated_conversations(records, tokenizer, target_path, identity, cfg, ds)
-    if samples is None:
-        samples = template_splits(convs, len(train), tokenizer, cfg.data)
-    from draftsmith.data.capture import capture_splits, planned_shard_entries
+    with disk_full_reported(out, tokens * per_token - shard_bytes_on_disk(out), "the dataset"):
+        if procs.is_main:
+            write_build_inputs(cfg, identity, aux_ids, train, heldout)
+            convs = regenerated_conversations(records, tokenizer, target_path, identity, cfg, ds)
+        wait_for_all(procs)  # the folder is written and every response generated
+        if not procs.is_main:  # reads the main process's responses back: nothing is left to generate
+            convs = regenerated_conversations(records, tokenizer, target_path, identity, cfg, ds)
+        if samples is None:
+            samples = template_splits(convs, len(train), tokenizer, cfg.data)
+        from draftsmith.data.capture import capture_splits, planned_shard_entries
 
-    online = cfg.data.capture == "online"
-    model = None if online else load_target_model(target_path, cfg.target.dtype, cfg.target.device_map)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    capture_splits(model, samples, aux_ids, out, cfg.data.samples_per_shard, cfg.data.capture_batch_tokens, pad_id,
-                   getattr(torch, cfg.data.storage_dtype), procs.rank, procs.world_size)
-    wait_for_all(procs)  # every shard and its sidecar are written
-    if procs.is_main:
-        build_vocab(ds, samples["train"], identity["vocab_size"], cfg.data.draft_vocab_size)
-        write_manifest(ds, cfg, identity, aux_ids, recipe, tokenizer.chat_template,
-                       planned_shard_entries(out, samples, cfg.data.samples_per_shard, tokens_only=online))
+        online = cfg.data.capture == "online"
+        model = None if online else load_target_model(target_path, cfg.target.dtype, cfg.target.device_map)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        capture_splits(model, samples, aux_ids, out, cfg.data.samples_per_shard, cfg.data.capture_batch_tokens, pad_id,
+                       getattr(torch, cfg.data.storage_dtype), procs.rank, procs.world_size)
+        wait_for_all(procs)  # every shard and its sidecar are written
+        if procs.is_main:
+            build_vocab(ds, samples["train"], identity["vocab_size"], cfg.data.draft_vocab_size)
+            write_manifest(ds, cfg, identity, aux_ids, recipe, tokenizer.chat_template,
+                           planned_shard_entries(out, samples, cfg.data.samples_per_shard, tokens_only=online))
 
 
 def main(argv=None) -> None:

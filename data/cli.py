@@ -71,10 +71,20 @@ def log_run_header(stage: str, config_name: str) -> None:
 def run_entry(main, argv=None) -> None:
     """Call main(argv); user errors become one line on stderr and exit code 2, without a traceback."""
     setup_logging()
+    from draftsmith.data.disk import free_bytes, human_bytes, is_disk_full
+
     try:
         main(argv)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (OSError, RuntimeError) as e:
+        if not is_disk_full(e):
+            raise
+        where = getattr(e, "filename", None)
+        free = f" ({human_bytes(free_bytes(Path(where).parent))} free there now)" if where else ""
+        print(f"error: the disk filled up writing {where or 'a file'}{free}; writes are atomic, so nothing partly "
+              "written is read as complete: free space and run the same command again", file=sys.stderr)
         sys.exit(2)
 
 

@@ -2,7 +2,10 @@
 tokens it will capture, against the free space of the dataset folder's filesystem."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -44,6 +47,14 @@ def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def human_bytes(n: int) -> str:
+    """1.50 GiB, 12.3 MiB, 40.0 KiB: a size readable at any scale."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
 def describe_disk_plan(folder: Path, tokens: int, per_token: int, regenerate: bool) -> str:
     needed = tokens * per_token
     basis = "templated prompts + regenerate.max_new_tokens per sample" if regenerate else "templated samples"
@@ -56,6 +67,49 @@ def require_free_space(folder: Path, needed: int) -> None:
     """Refuse to start a capture the disk cannot hold, before any expensive work."""
     missing, free = needed - shard_bytes_on_disk(folder), free_bytes(folder)
     if missing > free:
-        raise UserError(f"dataset {folder} needs about {gib(needed)} ({needed} bytes; `data/build.py --dry-run` shows "
+        raise UserError(f"dataset {Path(folder).absolute()} needs about {gib(needed)} ({needed} bytes; `data/build.py --dry-run` shows "
                         f"the estimate) but its filesystem has {gib(free)} ({free} bytes) free; free space, point "
                         "data.dataset_dir at a larger disk, or lower data.prompts.max_prompts or data.max_seq_len")
+
+
+class DiskFullError(UserError):
+    """A write ran out of space: a one-line error naming the folder and the space the work needs."""
+
+
+# how torch.save's stream writer reports a failed write (it keeps no errno)
+TORCH_WRITE_FAILURES = ("file write failed", "iostream error", "unexpected pos")
+
+
+def is_disk_full(e: BaseException, folder: Path | None = None, needed: int | None = None) -> bool:
+    """ENOSPC / EDQUOT; or a RuntimeError of torch.save's writer while `folder`'s filesystem has less than `needed`
+    (1 MiB if unknown) free."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not isinstance(e, RuntimeError):
+        return False
+    if "No space left" in str(e):
+        return True
+    return (folder is not None and any(m in str(e) for m in TORCH_WRITE_FAILURES)
+            and free_bytes(folder) < (needed or 2**20))
+
+
+@contextlib.contextmanager
+def disk_full_reported(folder: Path, needed: int | None, what: str) -> Iterator[None]:
+    """Turn a full disk inside the body into DiskFullError; the body's own cleanup (temp files) has run by then."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        if not is_disk_full(e, folder, needed):
+            raise
+        need = f"it needs about {human_bytes(needed)} more" if needed else "it needs more"
+        raise DiskFullError(f"{Path(folder).absolute()}: the disk filled up while writing {what} ({need}; "
+                            f"{human_bytes(free_bytes(folder))} "
+                            "free now). Nothing partly written is kept or read as complete: free space and run the same "
+                            "command again, it resumes") from None
+
+
+def folder_bytes(folder: Path | None) -> int:
+    """Bytes of the files under folder (0 if it is None or gone)."""
+    if folder is None or not Path(folder).is_dir():
+        return 0
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())

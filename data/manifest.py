@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -33,6 +34,26 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """Put the finished folder `new` in place of `target` (its files form one set: none may be newer than the rest).
+
+    Two renames: target -> .<name>.old, new -> target. A crash between them leaves only the old folder, under
+    its .old name; `settled_folder` reads that one then.
+    """
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(new, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def settled_folder(target: Path) -> Path:
+    """target, or the complete folder a replace_folder cut short between its renames left under .<name>.old."""
+    old = target.with_name(f".{target.name}.old")
+    return old if not target.exists() and old.is_dir() else target
 
 
 def atomic_write_json(path: Path, obj) -> None:

@@ -16,7 +16,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
-from draftsmith.data.manifest import atomic_write_bytes, atomic_write_json, read_json
+from draftsmith.data.disk import disk_full_reported, folder_bytes
+from draftsmith.data.manifest import (
+    atomic_write_bytes,
+    atomic_write_json,
+    read_json,
+    replace_folder,
+    settled_folder,
+)
 from draftsmith.train.spec import DrafterSpec
 
 logger = logging.getLogger(__name__)
@@ -44,22 +51,29 @@ def save_checkpoint(accelerator, ckpt_root: Path, step: int, loop_state: dict, d
     weights as a bundle export/ can read, from `drafter` = (state_dict, spec)), renames the finished folder and
     prunes old ones."""
     final = ckpt_root / f"step-{step:07d}"
-    tmp = ckpt_root / f".tmp-step-{step:07d}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()  # FSDP2/ZeRO: every process writes its shard into tmp before the rename
-    if accelerator.is_main_process:
-        if drafter is not None:
-            state, spec = drafter
-            save_drafter_bundle(tmp / "drafter", state, spec, {"step": step})
-        atomic_write_json(tmp / "loop_state.json", loop_state)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in checkpoint_dirs(ckpt_root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    tmp = ckpt_root / f".tmp-step-{step:07d}"  # never read: a save cut short (a kill, a full disk) stays hidden
+    # a full disk ends the run with the folder named; the last complete checkpoint stays the one a rerun resumes
+    with disk_full_reported(ckpt_root, folder_bytes(latest_checkpoint(ckpt_root)) or None, f"checkpoint step {step}"):
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        try:
+            accelerator.save_state(str(tmp))
+            accelerator.wait_for_everyone()  # FSDP2/ZeRO: every process writes its shard into tmp before the rename
+            if accelerator.is_main_process:
+                if drafter is not None:
+                    state, spec = drafter
+                    save_drafter_bundle(tmp / "drafter", state, spec, {"step": step})
+                atomic_write_json(tmp / "loop_state.json", loop_state)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # give back what the cut-short save took
+            raise
+        if accelerator.is_main_process:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in checkpoint_dirs(ckpt_root)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
     return final
 
 
@@ -71,16 +85,25 @@ def load_checkpoint(accelerator, path: Path) -> dict:
 def save_drafter_bundle(out_dir: Path, state_dict: dict[str, torch.Tensor], spec: DrafterSpec,
                         progress: dict) -> None:
     """The trained weights (fp32), the drafter spec export/ turns into a vLLM folder, and where training was
-    (step, held-out evaluation) in a file of its own."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    atomic_write_bytes(out_dir / BUNDLE_WEIGHTS, save(tensors))
-    spec.save(out_dir / BUNDLE_SPEC)
-    atomic_write_json(out_dir / BUNDLE_PROGRESS, progress)
+    (step, held-out evaluation) in a file of its own; written beside out_dir and swapped in as one set, so a
+    crash or a full disk never leaves the weights of one step with the progress of another."""
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+        atomic_write_bytes(tmp / BUNDLE_WEIGHTS, save(tensors))
+        spec.save(tmp / BUNDLE_SPEC)
+        atomic_write_json(tmp / BUNDLE_PROGRESS, progress)
+        replace_folder(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def load_drafter_bundle(bundle_dir: Path) -> tuple[dict[str, torch.Tensor], DrafterSpec, dict]:
     """(weights, spec, progress) of a bundle save_drafter_bundle wrote."""
+    bundle_dir = settled_folder(Path(bundle_dir))
     weights = bundle_dir / BUNDLE_WEIGHTS
     if not weights.is_file():
         raise FileNotFoundError(f"no trained drafter at {weights}; run train/eagle3.py (or train/peagle.py) first")
