@@ -28,6 +28,10 @@ class ConfigError(UserError):
     """A user error in a config file or override; entry scripts print it as one line and exit 2."""
 
 
+# tokens in one row, batch or vocabulary: 16M is far past any target's context; beyond it a typo, not a plan
+MAX_TOKENS = 2**24
+
+
 def check_ranges(section: str, obj, **ranges: tuple[float | None, float | None]) -> None:
     """Each named field (or every item of a tuple field) must lie in [low, high]; None leaves a side open."""
     for name, (low, high) in ranges.items():
@@ -134,8 +138,8 @@ class DataConfig:
     train both on the same data (the P-EAGLE demo reuses the EAGLE-3 demo's)."""
 
     def __post_init__(self):
-        check_ranges("data", self, max_seq_len=(2, None), capture_batch_tokens=(1, None), samples_per_shard=(1, None),
-                     draft_vocab_size=(1, None))
+        check_ranges("data", self, max_seq_len=(2, MAX_TOKENS), capture_batch_tokens=(1, MAX_TOKENS),
+                     samples_per_shard=(1, None), draft_vocab_size=(1, MAX_TOKENS))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,7 +160,7 @@ class DrafterConfig:
     def __post_init__(self):
         if self.fc_norm and self.norm_before_fc:
             raise ConfigError("drafter.fc_norm and drafter.norm_before_fc are exclusive: set one of them false")
-        check_ranges("drafter", self, num_layers=(1, None))
+        check_ranges("drafter", self, num_layers=(1, 64))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,7 +171,7 @@ class TTTConfig:
     """Loss weight of step j is step_weight**j."""
 
     def __post_init__(self):
-        check_ranges("ttt", self, num_steps=(1, None), step_weight=(1e-6, None))
+        check_ranges("ttt", self, num_steps=(1, 64), step_weight=(1e-6, None))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,7 +191,7 @@ class PEagleConfig:
     most); depths: the mean over depths of each depth's mean, every depth equal (bench/peagle_weighting.py)."""
 
     def __post_init__(self):
-        check_ranges("peagle", self, num_depths=(2, None), partition_elements=(1, None), max_anchors=(0, None))
+        check_ranges("peagle", self, num_depths=(2, 64), partition_elements=(1, MAX_TOKENS), max_anchors=(0, None))
         if not 0 < self.down_sample_ratio_min <= self.down_sample_ratio <= 1:
             raise ConfigError("peagle ratios need 0 < down_sample_ratio_min <= down_sample_ratio <= 1, got "
                               f"{self.down_sample_ratio_min} and {self.down_sample_ratio}")
@@ -261,7 +265,7 @@ class TrainConfig:
         unknown = sorted(set(self.report_to) - set(TRACKERS))
         if unknown:
             raise ConfigError(f"train.report_to: {unknown} are not trackers Draftsmith logs to (valid: {TRACKERS})")
-        check_ranges("train", self, max_steps=(1, None), batch_tokens=(1, None), grad_accum=(1, None),
+        check_ranges("train", self, max_steps=(1, None), batch_tokens=(1, MAX_TOKENS), grad_accum=(1, None),
                      muon_lr=(0, None), muon_weight_decay=(0, None), weight_decay=(0, None),
                      hidden_noise_std=(0, None), grad_clip=(0, None), warmup_steps=(0, None), min_lr_ratio=(0, 1),
                      betas=(0, 0.999999), log_every=(1, None), eval_every=(1, None), save_every=(1, None), eval_max_samples=(0, None),
@@ -290,7 +294,7 @@ class ExportConfig:
     def __post_init__(self):
         if not self.num_speculative_tokens:
             raise ConfigError("export.num_speculative_tokens needs at least one K, e.g. [3]")
-        check_ranges("export", self, num_speculative_tokens=(1, None), num_validation_prompts=(0, None),
+        check_ranges("export", self, num_speculative_tokens=(1, 64), num_validation_prompts=(0, None),
                      max_tokens=(1, None), concurrency=(1, None), server_start_timeout_s=(1, None))
 
 
@@ -354,6 +358,8 @@ def _convert(value: Any, tp, key: str, where: str) -> Any:
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             raise ConfigError(f"{where}: '{key}' must be {tp.__name__}, got {type(value).__name__} {value!r}")
+        if tp is int and not -(2**63) <= value < 2**63:  # every count ends up in an int64 tensor or a C loop
+            raise ConfigError(f"{where}: '{key}' = {value} does not fit in 64 bits")
         return value
     raise TypeError(f"unsupported config field type {tp} for {key}")
 

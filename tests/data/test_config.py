@@ -57,14 +57,14 @@ def test_exponent_strings_become_floats_only_in_float_fields(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("train.max_steps=-1", "train.max_steps must be >= 1"),
-    ("train.batch_tokens=0", "train.batch_tokens must be >= 1"),
+    ("train.batch_tokens=0", r"train.batch_tokens must be in \[1, 16777216\], got 0"),
     ("train.warmup_steps=-5", "train.warmup_steps must be >= 0"),
     ("train.eval_every=0", "train.eval_every must be >= 1"),
     ("train.grad_accum=0", "train.grad_accum must be >= 1"),
-    ("data.max_seq_len=0", "data.max_seq_len must be >= 2"),
+    ("data.max_seq_len=0", r"data.max_seq_len must be in \[2, 16777216\], got 0"),
     ("data.prompts.heldout_fraction=1.5", r"data.prompts.heldout_fraction must be in \[0, 0.9\]"),
     ("target.aux_layer_ids=[2,-1]", "target.aux_layer_ids must be >= 0"),
-    ("export.num_speculative_tokens=[0]", "export.num_speculative_tokens must be >= 1"),
+    ("export.num_speculative_tokens=[0]", r"export.num_speculative_tokens must be in \[1, 64\]"),
     ("export.num_speculative_tokens=[]", "export.num_speculative_tokens needs at least one K"),
     ("train.betas=[0.9,1.5]", "train.betas must be in"),
     ("train.report_to=[tensorbord]", r"train.report_to: \['tensorbord'\] are not trackers"),
