@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.data.chat import render_with_loss_mask
+from draftsmith.data.chat import prompt_messages, render_generation_prompt, render_with_loss_mask
 from draftsmith.data.cli import (
     build_arg_parser,
     log_run_header,
@@ -111,6 +111,19 @@ def tokenize_samples(conversations: list[dict], tokenizer, max_seq_len: int,
     return samples
 
 
+def prompts_inside_window(records: list[dict], tokenizer, max_seq_len: int, split: str) -> list[dict]:
+    """The records whose generation prompt leaves the engine (window data.max_seq_len) room for one new token;
+    the others are skipped with a count."""
+    kept = [r for r in records if len(render_generation_prompt(tokenizer, prompt_messages(r["messages"]),
+                                                               r.get("tools"))) < max_seq_len]
+    if len(kept) < len(records):
+        logger.warning("%s: skipped %d of %d prompts that fill the engine's window of data.max_seq_len=%d tokens "
+                       "before generating anything", split, len(records) - len(kept), len(records), max_seq_len)
+    if records and not kept:
+        raise UserError(f"every {split} prompt is longer than data.max_seq_len={max_seq_len} tokens: raise it")
+    return kept
+
+
 def regenerated_conversations(records, tokenizer, target_path, identity: dict, cfg: RunConfig,
                               ds: DatasetPaths) -> list[dict]:
     """All splits in one call, so the generation engine starts once."""
@@ -188,6 +201,9 @@ def build_dataset(cfg: RunConfig, procs: BuildProcesses, dry_run: bool) -> None:
         return
     tokenizer = load_tokenizer(target_path)
     train, heldout = build_prompt_splits(cfg.data.prompts)
+    if cfg.data.regenerate.enabled:  # the engine refuses such a prompt and would abort the whole batch
+        train, heldout = (prompts_inside_window(split, tokenizer, cfg.data.max_seq_len, name)
+                          for split, name in ((train, "train"), (heldout, "heldout")))
     records = train + heldout
     samples = None if cfg.data.regenerate.enabled else template_splits(records, len(train), tokenizer, cfg.data)
     tokens = planned_tokens(records, samples, tokenizer, cfg.data)

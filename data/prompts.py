@@ -72,7 +72,8 @@ def stdlib_prompt_records() -> list[dict]:
     return records
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _read_jsonl(path: Path) -> list[tuple[str, object]]:
+    """(file:line, parsed record) per non-empty line; a line that is not JSON refuses the file (it is broken)."""
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist (data.prompts.path)")
     records = []
@@ -80,7 +81,7 @@ def _read_jsonl(path: Path) -> list[dict]:
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    records.append(json.loads(line))
+                    records.append((f"{path}:{lineno}", json.loads(line)))
                 except json.JSONDecodeError as e:
                     raise UserError(f"{path}:{lineno}: not valid JSON ({e})") from None
     return records
@@ -118,37 +119,61 @@ def _read_hf_dataset(cfg: PromptsConfig) -> list[dict]:
 
 def load_prompt_records(cfg: PromptsConfig) -> list[dict]:
     """Raw records from the configured source, each normalised to {"messages": [...], "tools": [...], "group": str}
-    (tools: the record's function schemas, [] when it has none)."""
+    (tools: the record's function schemas, [] when it has none).
+
+    The rule for bad input: a line that is not JSON refuses the whole file; a record that is JSON but not a
+    conversation (no turns, a turn without role or content, an unknown role, non-string content, bad tools) is
+    skipped and reported with its file and line (or record index); a source whose every record is bad is refused.
+    """
     if cfg.source == "demo":
-        raw = demo_prompt_records()
+        raw = [(f"demo record {i}", r) for i, r in enumerate(demo_prompt_records())]
     elif cfg.source == "jsonl":
         raw = _read_jsonl(Path(cfg.path))
     else:
-        raw = _read_hf_dataset(cfg)
-    out = []
-    for i, rec in enumerate(raw):
+        raw = [(f"{cfg.path} record {i}", r) for i, r in enumerate(_read_hf_dataset(cfg))]
+    out, skipped = [], []
+    for where, rec in raw:
         try:
+            if not isinstance(rec, dict):
+                raise UserError(f"a record must be a JSON object, got {type(rec).__name__}")
             messages = rec["messages"] if cfg.source == "demo" else normalize_conversation(rec, cfg.conversations_column)
             tools = normalize_tools(rec)
         except ValueError as e:
-            raise UserError(f"prompt record {i} of {cfg.source}:{cfg.path or 'demo'}: {e}") from None
+            skipped.append(f"{where}: {e}")
+            continue
         first_user = next((m["content"] for m in messages if m["role"] == "user"), "")
         out.append({"messages": messages, "tools": tools, "group": rec.get("group") or first_user})
+    if skipped and not out:
+        raise UserError(f"no usable prompt record in {cfg.source}:{cfg.path or 'demo'} ({len(skipped)} malformed); "
+                        f"first: {skipped[0]}")
+    for line in skipped[:10]:
+        logger.warning("skipped malformed prompt record %s", line)
+    if skipped:
+        logger.warning("skipped %d malformed prompt record(s) of %d%s", len(skipped), len(raw),
+                       " (the first 10 are listed above)" if len(skipped) > 10 else "")
     return out
 
 
 def filter_and_dedup(records: list[dict], cfg: PromptsConfig) -> list[dict]:
     """Drop conversations without a user turn, out-of-range prompt lengths and exact duplicates."""
-    seen, kept = set(), []
+    seen, kept, no_user, out_of_range = set(), [], 0, 0
     for rec in records:
         users = [m["content"] for m in rec["messages"] if m["role"] == "user"]
-        if not users or not cfg.min_prompt_chars <= len(users[0]) <= cfg.max_prompt_chars:
+        if not users:
+            no_user += 1
+            continue
+        if not cfg.min_prompt_chars <= len(users[0]) <= cfg.max_prompt_chars:
+            out_of_range += 1
             continue
         # the same turns offered other tools are another prompt
         key = hashlib.sha256(json.dumps([rec["messages"], rec["tools"]], sort_keys=True).encode()).hexdigest()
         if key not in seen:
             seen.add(key)
             kept.append(rec)
+    if no_user or out_of_range or len(seen) < len(records) - no_user - out_of_range:
+        logger.info("prompts: dropped %d without a user turn, %d with a first user turn outside [%d, %d] characters "
+                    "(data.prompts.min/max_prompt_chars), %d duplicates", no_user, out_of_range, cfg.min_prompt_chars,
+                    cfg.max_prompt_chars, len(records) - no_user - out_of_range - len(seen))
     if cfg.max_prompts:
         kept = sorted(kept, key=lambda r: _stable_hash(json.dumps(r["messages"])))[: cfg.max_prompts]
     return kept

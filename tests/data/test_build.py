@@ -74,3 +74,22 @@ def test_samples_and_prompt_files_keep_the_tools():
     assert "<name>get_weather</name>" in tok.decode(sample["input_ids"])
     assert prompt_line(conv) == {"messages": conv["messages"], "tools": tools}
     assert prompt_line({**conv, "tools": []}) == {"messages": conv["messages"]}
+
+
+def test_prompts_longer_than_the_engine_window_are_skipped_with_a_count(build_config, tmp_path, monkeypatch, caplog):
+    import json
+
+    prompts = tmp_path / "prompts.jsonl"
+    questions = [f"What is {n} squared? Answer with the number." for n in range(12)]
+    questions.insert(5, "Summarise this: " + "lorem ipsum dolor sit amet " * 200)  # > 512 tokens on its own
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in questions))
+    config = build_config(tmp_path, prompts={"source": "jsonl", "path": str(prompts), "heldout_fraction": 0.25},
+                          regenerate={"enabled": True, "backend": "transformers", "max_new_tokens": 4,
+                                      "batch_size": 8})
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING"):
+        main(["--config", config])
+    skipped = [r.getMessage() for r in caplog.records if "fill the engine's window" in r.getMessage()]
+    assert len(skipped) == 1 and "skipped 1 of" in skipped[0] and "data.max_seq_len=512" in skipped[0], skipped
+    manifest = json.loads((tmp_path / "run" / "dataset" / "manifest.json").read_text())
+    assert manifest["num_samples"] == len(questions) - 1
