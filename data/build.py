@@ -28,6 +28,7 @@ from draftsmith.data.disk import (
     shard_bytes_on_disk,
 )
 from draftsmith.data.errors import UserError
+from draftsmith.data.faults import kill_point
 from draftsmith.data.layer_ids import resolve_aux_layer_ids
 from draftsmith.data.lock import dataset_build_lock
 from draftsmith.data.manifest import (
@@ -232,6 +233,7 @@ def build_dataset(cfg: RunConfig, procs: BuildProcesses, dry_run: bool) -> None:
                        getattr(torch, cfg.data.storage_dtype), procs.rank, procs.world_size)
         wait_for_all(procs)  # every shard and its sidecar are written
         if procs.is_main:
+            kill_point("before_manifest")
             build_vocab(ds, samples["train"], identity["vocab_size"], cfg.data.draft_vocab_size)
             write_manifest(ds, cfg, identity, aux_ids, recipe, tokenizer.chat_template,
                            planned_shard_entries(out, samples, cfg.data.samples_per_shard, tokens_only=online))

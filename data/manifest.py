@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from draftsmith.data.errors import UserError
+from draftsmith.data.faults import kill_point
 
 
 def temp_file_beside(path: Path) -> tuple[int, Path]:
@@ -46,6 +47,7 @@ def replace_folder(new: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
     if target.exists():
         os.replace(target, old)
+        kill_point("bundle_swap")
     os.replace(new, target)
     shutil.rmtree(old, ignore_errors=True)
 

@@ -20,6 +20,7 @@ from draftsmith.data.capture import input_device
 from draftsmith.data.chat import generated_message, prompt_messages, render_generation_prompt
 from draftsmith.data.config import RegenerateConfig
 from draftsmith.data.errors import UserError
+from draftsmith.data.faults import kill_point
 from draftsmith.data.manifest import atomic_write_json, read_json
 
 logger = logging.getLogger(__name__)
@@ -172,6 +173,7 @@ def _generate_in_batches(gen, todo, prompts, records, tokenizer, cfg, out_path, 
                 new_tokens += len(out)
             f.flush()
             os.fsync(f.fileno())
+            kill_point("regenerate_batch")
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - start, 1e-6):.0f}")
     bar.close()

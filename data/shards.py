@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from draftsmith.data.errors import UserError
+from draftsmith.data.faults import kill_point
 from draftsmith.data.manifest import atomic_write_json, read_json, sha256_file, temp_file_beside
 from draftsmith.data.run_paths import DatasetPaths
 
@@ -117,6 +118,7 @@ class ShardWriter:
         self._write_rows("aux_hidden_states", first, sample.aux_hidden_states.to(self.dtype))
         self._write_rows("final_hidden_states", first, sample.final_hidden_states.to(self.dtype))
         self.missing.discard(i)
+        kill_point("shard_write")
 
     def finish(self) -> dict:
         """Publish the shard (fsync, rename), then its sidecar; returns the manifest entry."""
@@ -125,6 +127,7 @@ class ShardWriter:
         os.close(self.fd)
         self.fd = None
         os.replace(self.tmp, self.path)
+        kill_point("shard_sidecar")  # published, its sidecar not yet written: the rerun must re-check it
         entry = {"file": self.path.name, "split": self.split, "num_samples": len(self.offsets) - 1,
                  "num_tokens": int(self.offsets[-1]), "sha256": sha256_file(self.path)}
         atomic_write_json(self.path.with_suffix(".json"), {**entry, "inputs_sha256": self.inputs_sha256})

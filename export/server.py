@@ -2,6 +2,7 @@
 completions, /metrics scrapes, and a stop that leaves no process of its group behind."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from typing import Self
 
 import psutil
 
+from draftsmith.data.manifest import atomic_write_json
 from draftsmith.export.spec_metrics import SpecCounters, parse_spec_counters
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,35 @@ def group_members(pgid: int) -> list[int]:
     return pids
 
 
+def reap_orphaned_servers(log_dir: Path) -> None:
+    """Kill what is left of servers whose validator was killed (a SIGKILL runs no cleanup): their group records
+    name the group and the owner; a group whose owner is gone is SIGKILLed whole, then its record removed."""
+    for record in sorted(Path(log_dir).glob("vllm-*.group.json")):
+        try:
+            info = json.loads(record.read_text())
+            pgid, owner_pid, owner_time = int(info["pgid"]), info["owner_pid"], info["owner_create_time"]
+        except (OSError, ValueError, KeyError, TypeError):
+            record.unlink(missing_ok=True)  # torn by the kill that orphaned it: nothing to go on
+            continue
+        try:
+            if abs(psutil.Process(owner_pid).create_time() - owner_time) < 1.0:
+                continue  # its validator still runs: not ours to stop
+        except psutil.NoSuchProcess:
+            pass
+        left = group_members(pgid)
+        if left:
+            logger.warning("stopping %d process(es) of a vLLM server whose validator was killed (group %d, %s)",
+                           len(left), pgid, record)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            procs = []
+            for pid in left:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    procs.append(psutil.Process(pid))
+            psutil.wait_procs(procs, timeout=10)
+        record.unlink(missing_ok=True)
+
+
 def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM the server's whole group, SIGKILL whatever is left after grace_s, and wait until it is empty."""
     pgid = proc.pid  # start_new_session=True: the server leads its own group, engine processes included
@@ -120,6 +151,7 @@ class VllmServer:
     def __init__(self, target: str, label: str, log_dir: Path, *, spec_config: dict | None, dtype: str,
                  max_model_len: int, start_timeout_s: float):
         self.label, self.log_path, self.start_timeout_s = label, Path(log_dir) / f"vllm-{label}.log", start_timeout_s
+        self.group_record = self.log_path.with_suffix(".group.json")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = server_command(target, self.port, spec_config, dtype, max_model_len)
@@ -128,6 +160,7 @@ class VllmServer:
 
     def __enter__(self) -> Self:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        reap_orphaned_servers(self.log_path.parent)
         logger.info("starting vLLM '%s' on port %d (log %s)", self.label, self.port, self.log_path)
         t0 = time.monotonic()
         with open(self.log_path, "w") as log:
@@ -135,6 +168,9 @@ class VllmServer:
             log.flush()
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
                                          start_new_session=True)
+        me = psutil.Process()
+        atomic_write_json(self.group_record, {"pgid": self.proc.pid, "owner_pid": me.pid,
+                                              "owner_create_time": me.create_time()})
         try:
             self._wait_healthy()
         except BaseException:  # KeyboardInterrupt included: never leave a server behind
@@ -151,6 +187,7 @@ class VllmServer:
         if self.proc is not None:
             stop_process_group(self.proc)
             self.proc = None
+            self.group_record.unlink(missing_ok=True)
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s

@@ -26,7 +26,27 @@ def vllm_version_aware(name: str) -> str:
 if __name__ in ("__main__", "__mp_main__"):
     importlib.metadata.version = vllm_version_aware
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this server when the process that started it dies, even by SIGKILL: the server
+    leads a session of its own (export/server.py), so no terminal signal would reach it. Linux only."""
+    import ctypes
+    import os
+    import signal
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # not Linux: export/server.py's group records still let the next run reap it
+    if os.getppid() != parent:  # the parent died before the request took effect
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     from vllm.entrypoints.cli.main import main
 
+    die_with_parent()
     sys.exit(main())

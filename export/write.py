@@ -11,10 +11,12 @@ import os
 import shutil
 from pathlib import Path
 
+import psutil
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.data.manifest import sha256_file
+from draftsmith.data.faults import kill_point
+from draftsmith.data.manifest import replace_folder, sha256_file
 from draftsmith.export.format import (
     check_state_dict,
     drafter_config,
@@ -45,12 +47,14 @@ def write_drafter_folder(
     dtype_name = str(export_dtype(dtype)).removeprefix("torch.")
     config = drafter_config(spec, fmt, num_speculative_tokens, dtype=dtype_name)
     _refuse_foreign_folder(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    remove_orphaned_temp_folders(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")  # the pid: two exports never share one
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         _write_files(tmp, config, tensors, spec, fmt, dtype_name, num_speculative_tokens)
-        _replace_folder(tmp, out_dir)
+        kill_point("export_write")
+        replace_folder(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -86,18 +90,17 @@ def _write_files(folder: Path, config: dict, tensors: dict, spec: DrafterSpec, f
     (folder / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
 
 
+def remove_orphaned_temp_folders(out_dir: Path) -> None:
+    """Temp folders of exports to out_dir that were killed (their pid is gone) hold nothing anyone reads."""
+    for tmp in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _refuse_foreign_folder(out_dir: Path) -> None:
     """Only an empty folder or an earlier export may be replaced: never delete a folder we did not write."""
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / PROVENANCE).is_file():
         raise FileExistsError(
             f"{out_dir} exists, is not empty and holds no {PROVENANCE}; choose another folder"
         )
-
-
-def _replace_folder(tmp: Path, out_dir: Path) -> None:
-    """Swap tmp into place; a reader sees the old folder or the new one, never a half-written one."""
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)

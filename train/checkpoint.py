@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from draftsmith.data.disk import disk_full_reported, folder_bytes
+from draftsmith.data.faults import kill_point
 from draftsmith.data.manifest import (
     atomic_write_bytes,
     atomic_write_json,
@@ -65,6 +66,7 @@ def save_checkpoint(accelerator, ckpt_root: Path, step: int, loop_state: dict, d
                     state, spec = drafter
                     save_drafter_bundle(tmp / "drafter", state, spec, {"step": step})
                 atomic_write_json(tmp / "loop_state.json", loop_state)
+            kill_point("checkpoint_write")  # written, not yet renamed: the rerun must resume from the one before
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # give back what the cut-short save took
             raise
