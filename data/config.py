@@ -188,7 +188,9 @@ class PEagleConfig:
     """Flattened elements per forward; longer rows are partitioned with gradient accumulation."""
     loss_weighting: Literal["elements", "depths"] = "elements"
     """elements: the mean soft CE over every scored element, so COD weights depth d by its sample count (depth 0
-    most); depths: the mean over depths of each depth's mean, every depth equal (bench/peagle_weighting.py)."""
+    most); depths: the mean over depths of each depth's mean, every depth equal. Measured side by side at the demo
+    budget, elements served 1.208 vs 1.170 (bench/results-peagle-weighting-cpu.txt), hence the default; DESIGN's
+    "uniform over depths" is the depths option."""
 
     def __post_init__(self):
         check_ranges("peagle", self, num_depths=(2, 64), partition_elements=(1, MAX_TOKENS), max_anchors=(0, None))

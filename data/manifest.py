@@ -1,6 +1,7 @@
 """Artifact manifests: atomic JSON writes, checksums, and the target identity every stage checks."""
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -16,6 +17,9 @@ def temp_file_beside(path: Path) -> tuple[int, Path]:
     """A new temp file (open fd, path) in path's folder: the same filesystem, so renaming it onto path is atomic."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # one writer per file: a temp file of this path still here is what a killed write left (never read)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     umask = os.umask(0)
     os.umask(umask)

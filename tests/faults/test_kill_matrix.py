@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -75,7 +76,8 @@ def rng():
 # ---- capture and regeneration ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("regenerate", [False, True], ids=["capture", "regenerate+capture"])
+@pytest.mark.parametrize("regenerate", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["capture", "regenerate+capture"])
 def test_dataset_build_killed_anywhere_reruns_to_the_same_bytes(build_config, tmp_path, rng, regenerate):
     extra = {"regenerate": {"enabled": True, "backend": "transformers", "max_new_tokens": 6, "batch_size": 4}} \
         if regenerate else {}
@@ -114,7 +116,7 @@ def assert_bit_identical(got: dict, want: dict) -> None:
     assert [k for k in got if not torch.equal(got[k], want[k])] == []
 
 
-@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+@pytest.mark.parametrize("method", ["eagle3", pytest.param("peagle", marks=pytest.mark.slow)])
 def test_training_killed_anywhere_resumes_to_bit_identical_weights(tiny_run, tmp_path, rng, method):
     extra = {"train": {"max_steps": 12, "save_every": 4, "eval_every": 4}}
     if method == "peagle":
@@ -155,3 +157,60 @@ def test_export_killed_inside_its_write_reruns_to_the_same_folder(tiny_run, tmp_
     ok(run(command("export/speculators.py", config), tmp_path))
     assert_same_files(out, tmp_path / "ref-drafter")
     assert sorted(p.name for p in out.parent.iterdir() if p.name.startswith(".")) == []
+
+
+# ---- validation ----------------------------------------------------------------------------------------------------
+
+
+def processes_with(marker: str) -> list[int]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("DRAFTSMITH_TEST_MARKER") == marker:
+                found.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_validation_killed_while_serving_leaves_no_process_or_port_after_the_rerun(tmp_path):
+    import json
+    import uuid
+
+    from draftsmith.data.target import resolve_target_path
+    from tests.export.test_validate import PROMPTS, _random_drafter, _write_yaml
+
+    target = Path(resolve_target_path("smollm2"))
+    run_dir = tmp_path / "run"
+    drafter = _random_drafter(target, run_dir / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    config = str(_write_yaml(tmp_path, run_dir, "  num_validation_prompts: 3\n  max_tokens: 16\n  concurrency: 2\n"
+                                                "  ngram_baseline: false\n"))
+    cmd = command("export/validate.py", config, "--drafter", str(drafter), "--prompts", str(prompts))
+    marker = f"kill-matrix-{uuid.uuid4().hex}"
+    env = {**os.environ, "DRAFTSMITH_TEST_MARKER": marker, "PYTHONUNBUFFERED": "1"}
+    validator = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 text=True)
+    try:
+        for line in validator.stderr:  # killed once the first server (the target alone) is up and serving
+            if "healthy after" in line:
+                break
+        serving = processes_with(marker)
+        assert len(serving) >= 3, serving  # the validator, the API server and its engine
+        validator.send_signal(signal.SIGKILL)
+        validator.wait()
+    finally:
+        if validator.poll() is None:
+            validator.kill()
+    # the kernel kills the server with its validator (PR_SET_PDEATHSIG) and vLLM's engine follows it
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(processes_with(marker)) > 1:
+        time.sleep(1)
+    rerun = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    assert json.loads((run_dir / "validation.json").read_text())["lossless"] is True
+    time.sleep(2)
+    assert processes_with(marker) == [], "the killed validation left processes behind after the rerun"
+    assert list((run_dir / "logs").glob("*.group.json")) == []
