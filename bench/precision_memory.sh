@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Peak RSS and tokens/s of the EAGLE-3 step over 60 steps in bf16 autocast, fp32, and bf16 with glibc's mmap
-# threshold fixed at 1 MiB, on one built dataset (default: the one bench/vs_speculators.py --budget full built).
+# threshold fixed at 1 MiB (and, with VARIANTS=..., others below), on one built dataset (default: the one bench/vs_speculators.py --budget full built).
 # Usage: bash bench/precision_memory.sh [DATASET_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +14,14 @@ run() {  # name, precision, extra env
   echo "== $1 (train.precision=$2 $3)"
   .venv/bin/python -c "import json,sys; [print(f\"step {r['step']:3d}  {r['tokens_per_s']:6.0f} tokens/s  peak RSS {r['peak_mem_gib']:.2f} GiB\") for r in map(json.loads, open(sys.argv[1])) if 'tokens_per_s' in r]" "$OUT/$1/train/metrics.jsonl"
 }
-run bf16 bf16 ""
-run fp32 fp32 ""
-run bf16-mmap1MiB bf16 MALLOC_MMAP_THRESHOLD_=1048576
+VARIANTS=${VARIANTS:-"bf16 fp32 bf16-mmap1MiB"}
+for v in $VARIANTS; do
+  case $v in
+    bf16) run bf16 bf16 "";;
+    fp32) run fp32 fp32 "";;
+    bf16-mmap1MiB) run bf16-mmap1MiB bf16 MALLOC_MMAP_THRESHOLD_=1048576;;
+    # oneDNN keeps a compiled primitive (with its reordered weights) per matmul shape, 1024 by default
+    bf16-onednn-cache8) run bf16-onednn-cache8 bf16 ONEDNN_PRIMITIVE_CACHE_CAPACITY=8;;
+    *) echo "unknown variant $v"; exit 2;;
+  esac
+done
