@@ -59,6 +59,7 @@ def _read(path: Path) -> dict:
 def dataset_build_lock(path: Path) -> Iterator[None]:
     """Hold `path` (a dataset's build.lock) for the body; refuse if a live build holds it, take over a dead one."""
     path = path.resolve()
+    created = [p for p in (path.parent, *path.parent.parents) if not p.exists()]  # innermost first
     path.parent.mkdir(parents=True, exist_ok=True)
     me = this_process()
     while not _create(path, me):
@@ -81,3 +82,6 @@ def dataset_build_lock(path: Path) -> Iterator[None]:
         if _read(path).get("pid") == me["pid"]:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+        for folder in created:  # a build refused before writing anything leaves no empty folders behind
+            with contextlib.suppress(OSError):
+                folder.rmdir()

@@ -1,5 +1,6 @@
 """Disk planning: `data/build.py --dry-run` prints the dataset's size before anything runs, and a build whose
 dataset the disk cannot hold is refused before capture."""
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -50,7 +51,7 @@ def test_dry_run_with_regeneration_counts_each_prompt_plus_max_new_tokens(build_
 def test_a_build_the_disk_cannot_hold_is_refused_before_capture(build_config, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(total=10**12, used=10**12, free=1000))
-    with pytest.raises(UserError, match=r"dataset run/dataset needs about .* bytes.* has 0.00 GiB \(1000 bytes\) free"):
+    with pytest.raises(UserError, match=rf"dataset {re.escape(str(tmp_path))}/run/dataset needs about .* bytes.* has 0.00 GiB \(1000 bytes\) free"):
         main(["--config", build_config(tmp_path)])
     assert not (tmp_path / "run").exists()
 
