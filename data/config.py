@@ -286,8 +286,16 @@ class ExportConfig:
     """Held-out prompts sent during validation (0 = all)."""
     max_tokens: int = 128
     """Output tokens per validation request."""
-    concurrency: int = 8
-    """Requests in flight during validation."""
+    concurrency: tuple[int, ...] = (1, 4, 16, 64)
+    """Requests in flight in the load sweep, one cell each (vLLM's own benchmark client, TPOT per request); the
+    greedy lossless pass sends every prompt at the largest."""
+    sweep_min_requests: int = 8
+    """Requests per sweep cell: max(concurrency, this), cycling through the prompts."""
+    near_tie_logit_gap: float = 1.5
+    """bf16/fp16 serving: a first divergence whose two tokens both lie within this many fp32 logits of the target's
+    top token is a near-tie of numerics, not a bug (export/lossless.py). bench/bf16_logit_error.py measured bf16
+    moving SmolLM2's top-2 logit gap by at most 0.73 (p99 0.31); both runs err, hence twice that. Measure your
+    target with it: logit scales differ between models."""
     ngram_baseline: bool = True
     """Also serve vLLM's model-free n-gram method on the same prompts."""
     server_start_timeout_s: int = 600
@@ -297,7 +305,10 @@ class ExportConfig:
         if not self.num_speculative_tokens:
             raise ConfigError("export.num_speculative_tokens needs at least one K, e.g. [3]")
         check_ranges("export", self, num_speculative_tokens=(1, 64), num_validation_prompts=(0, None),
-                     max_tokens=(1, None), concurrency=(1, None), server_start_timeout_s=(1, None))
+                     max_tokens=(1, None), concurrency=(1, 4096), server_start_timeout_s=(1, None),
+                     sweep_min_requests=(1, 4096), near_tie_logit_gap=(0.0, None))
+        if not self.concurrency:
+            raise ConfigError("export.concurrency needs at least one value, e.g. [1, 4, 16]")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -134,5 +134,9 @@ class RunPaths:
     def validation_plot(self) -> Path:
         return self.run / "validation-acceptance.png"
 
+    @property
+    def validation_tpot_plot(self) -> Path:
+        return self.run / "validation-tpot.png"
+
     def hub_staging(self, repo_id: str) -> Path:
         return self.run / "hub" / repo_id.replace("/", "--")

@@ -26,6 +26,19 @@ def acceptance_table(validation: dict) -> str:
     return "\n".join(lines)
 
 
+def verdict_section(validation: dict) -> str:
+    """The sweep's verdict: per concurrency the best K and its TPOT gain, the routing rule, the TPOT plot."""
+    decision = validation.get("verdict")
+    if not decision:
+        return "No concurrency sweep in this validation."
+    from draftsmith.export.report import verdict_table
+
+    return "\n".join([f"Measured on {validation.get('num_prompts', '?')} prompts, greedy, "
+                      f"{validation.get('dtype', '?')}, by vLLM's own benchmark client:", "",
+                      *verdict_table(decision, validation.get("method", "drafter")), "",
+                      "![TPOT vs concurrency](validation-tpot.png)"])
+
+
 def serve_command(verifier: str, repo_id: str, k: int, parallel: bool) -> str:
     spec = {"method": "eagle3", "model": repo_id, "num_speculative_tokens": k}
     if parallel:
@@ -49,9 +62,12 @@ Recommended K = {{ k }} (from the measured per-position acceptance and step cost
 ## Measured when served (greedy, {{ num_prompts }} held-out prompts)
 {{ acceptance }}
 
-- lossless (greedy outputs identical with and without the drafter): **{{ lossless }}**
+- lossless: **{{ lossless }}** ({{ lossless_rule }})
 - output tokens per target forward step: drafter {{ tps_drafter }}, vLLM n-gram {{ tps_ngram }}
 - output tokens/s: with drafter {{ speed_with }}, without {{ speed_without }}
+
+## When to turn it on
+{{ verdict }}
 
 ## Drafter
 {{ spec.num_hidden_layers }} decoder layer(s) of width {{ spec.hidden_size }}, draft vocab {{ spec.draft_vocab_size }},
@@ -92,7 +108,10 @@ def model_card(repo_id: str, spec: DrafterSpec, validation: dict, train_config: 
         card_data, template_str=CARD_TEMPLATE, repo_id=repo_id, method=spec.method, verifier=verifier,
         serve=serve_command(verifier, repo_id, k, spec.parallel_drafting), k=k,
         num_prompts=validation.get("num_prompts", "?"), acceptance=acceptance_table(validation),
-        lossless=validation.get("lossless"), tps_drafter=_fmt(tps.get("drafter")), tps_ngram=_fmt(tps.get("ngram")),
+        lossless=validation.get("lossless"),
+        lossless_rule="token identity" if validation.get("dtype") == "float32" else
+        "no real disagreement; near-ties of bf16/fp16 numerics re-scored in fp32", verdict=verdict_section(validation),
+        tps_drafter=_fmt(tps.get("drafter")), tps_ngram=_fmt(tps.get("ngram")),
         speed_with=_fmt(speed.get("with_drafter"), 1), speed_without=_fmt(speed.get("without_drafter"), 1),
         spec=spec, aux_ids=list(spec.aux_layer_ids),
         data_source=f"{data.get('source', '?')} {data.get('path') or ''}".strip(),

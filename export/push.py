@@ -51,7 +51,8 @@ def main(argv=None) -> None:
     card = model_card(args.repo_id, spec, validation, train_config, manifest)
     staging = paths.hub_staging(args.repo_id)
     files = stage_upload_folder(drafter_dir, staging, card,
-                                [paths.validation_json, paths.validation_md, paths.validation_plot])
+                                [paths.validation_json, paths.validation_md, paths.validation_plot,
+                                 paths.validation_tpot_plot])
     print(f"{'would upload' if args.dry_run else 'uploading'} {staging} to {args.repo_id}:")
     for f in files:
         print(f"  {f.name:32s} {f.stat().st_size:>12,d} bytes")

@@ -1,10 +1,12 @@
-"""validation.json -> the readable report: validation.md (tables), the per-position acceptance plot, the summary line."""
+"""validation.json -> the readable report: validation.md (tables, the verdict), the per-position acceptance plot,
+the TPOT-vs-concurrency plot, the summary and verdict lines."""
 from __future__ import annotations
 
 import io
 from pathlib import Path
 
 from draftsmith.data.manifest import atomic_write_bytes
+from draftsmith.export.verdict import verdict_line
 
 
 def _fmt(x, spec: str = ".2f") -> str:
@@ -35,16 +37,81 @@ def _positions_table(r: dict) -> list[str]:
         f"| {name} | " + " | ".join(_fmt(x) for x in rates) + " |" for name, rates in series]
 
 
+def _sweep_table(r: dict) -> list[str]:
+    """Like beside like: TPOT and tokens per target step for every method; per-draft AL in its own column."""
+    rows = sorted(r["sweep"]["cells"], key=lambda c: (c["concurrency"], c["role"] != "none", c["role"],
+                                                       c["num_speculative_tokens"]))
+    out = ["| concurrency | method | K | TPOT mean ms | p50 | p90 | output tok/s | tokens / target step | TAR | "
+           "AL per draft |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in rows:
+        t = c["tpot_ms"]
+        out.append(f"| {c['concurrency']} | {c['method']} | {c['num_speculative_tokens']} | {_fmt(t['mean'], '.1f')} | "
+                   f"{_fmt(t['p50'], '.1f')} | {_fmt(t['p90'], '.1f')} | {_fmt(c['output_tokens_per_s'], '.1f')} | "
+                   f"{_fmt(c['tokens_per_target_step'])} | {_fmt(c['token_acceptance_rate'])} | "
+                   f"{_fmt(c['acceptance_length'])} |")
+    return out
+
+
+def verdict_table(decision: dict, method: str) -> list[str]:
+    out = [f"| concurrency | best K | TPOT without ms | TPOT with ms | TPOT gain | TAR | use {method} |",
+           "|---|---|---|---|---|---|---|"]
+    for v in decision["by_concurrency"]:
+        tar = _fmt(v["token_acceptance_rate"]) + (" (low)" if v["tar_warning"] else "")
+        out.append(f"| {v['concurrency']} | {v['best_k']} | {_fmt(v['tpot_ms_without'], '.1f')} | "
+                   f"{_fmt(v['tpot_ms_with'], '.1f')} | {100 * v['tpot_gain']:+.0f}% | {tar} | "
+                   f"{'yes' if v['use'] else 'no'} |")
+    sat = decision["saturation_concurrency"]
+    out += ["", f"Saturation point: {sat if sat is not None else 'not reached'} (the lowest concurrency where no K "
+                f"cuts TPOT by {100 * decision['min_tpot_gain']:.0f}%). Routing rule: {decision['routing_rule']}."]
+    if any(v["tar_warning"] for v in decision["by_concurrency"]):
+        out += ["", f"**Warning: token acceptance rate under {decision['min_token_acceptance_rate']:.0%}**: most "
+                    "proposals are rejected; the verify compute they cost is wasted."]
+    return out
+
+
+def _lossless_lines(r: dict) -> list[str]:
+    counts = r.get("lossless_checks") or {}
+    if not counts:
+        return []
+    rule = ("token identity (fp32)" if r.get("dtype") == "float32" else
+            f"{r.get('dtype')}: each first divergence re-scored by the target alone in fp32; a near-tie has both "
+            f"tokens within the bound of its top logit")
+    out = [f"Lossless check, {rule}:", "", "| run | identical | near-ties | real disagreements |", "|---|---|---|---|"]
+    out += [f"| {label} | {c['identical']} | {c['near_ties']} | {c['real']} |" for label, c in counts.items()]
+    return out
+
+
+def _compare_lines(r: dict) -> list[str]:
+    cmp = r["compare"]
+    out = [f"## {r['method']} vs {cmp['method']} (`{cmp['drafter_dir']}`)", "",
+           f"| concurrency | K | {r['method']} TPOT ms | {cmp['method']} TPOT ms | faster |", "|---|---|---|---|---|"]
+    for h in cmp["head_to_head"]:
+        winner = r["method"] if h["winner"] == "drafter" else cmp["method"]
+        out.append(f"| {h['concurrency']} | {h['num_speculative_tokens']} | {_fmt(h['tpot_ms_drafter'], '.1f')} | "
+                   f"{_fmt(h['tpot_ms_compare'], '.1f')} | {winner} |")
+    if cmp["verdict"]:
+        out += ["", f"Verdict for {cmp['method']}:", "", *verdict_table(cmp["verdict"], cmp["method"])]
+    return out
+
+
 def render_markdown(r: dict) -> str:
     cm, best = r["cost_model"], r["recommended_k"]
     by_k = ", ".join(f"K={k}: {_fmt(v)}" for k, v in r["acceptance_length_by_k"].items())
     lines = [f"# Validation of `{r['drafter_dir']}`", "",
-             (f"Target `{r['target']}`; {r['num_prompts']} prompts, greedy, max_tokens {r['max_tokens']}, "
-              f"concurrency {r['concurrency']}; vLLM {r['versions']['vllm']}."), "", *_methods_table(r), "",
-             f"Per-position acceptance at K={r['num_speculative_tokens']}:", "", *_positions_table(r), "",
-             f"Acceptance length predicted from those rates: {by_k}.", "",
-             (f"**Recommended K: {best}** (K=0: no drafter), from step time {_fmt(cm['c0_ms'])} ms + K x "
-              f"{_fmt(cm['c_draft_ms'])} ms; expected speed-up {_fmt(cm['expected_speedup_by_k'][str(best)])}x.")]
+             (f"Target `{r['target']}` in {r.get('dtype', '?')}; {r['num_prompts']} prompts, greedy, max_tokens "
+              f"{r['max_tokens']}, greedy pass at concurrency {r['concurrency']}; vLLM {r['versions']['vllm']}."),
+             ""]
+    if r.get("verdict"):
+        lines += ["## Verdict", "", f"`{verdict_line(r['verdict'], r['method'])}`", "",
+                  *verdict_table(r["verdict"], r["method"]), "", "![TPOT vs concurrency](validation-tpot.png)", "",
+                  "## Sweep", "", *_sweep_table(r), ""]
+    lines += ["## Greedy pass", "", *_methods_table(r), "",
+              f"Per-position acceptance at K={r['num_speculative_tokens']}:", "", *_positions_table(r), "",
+              f"Acceptance length predicted from those rates: {by_k}.", "",
+              (f"Step-cost model of the greedy pass: {_fmt(cm['c0_ms'])} ms + K x {_fmt(cm['c_draft_ms'])} ms per "
+               f"target step; best K by it: {best} (K=0: no drafter), expected speed-up "
+               f"{_fmt(cm['expected_speedup_by_k'][str(best)])}x."), ""]
+    lines += _lossless_lines(r)
     mismatch = r["train_serve_mismatch"]
     if mismatch["checked"]:
         figures = (f"the trainer simulated acceptance length {_fmt(mismatch['train_simulated_acceptance_length'])} "
@@ -56,8 +123,39 @@ def render_markdown(r: dict) -> str:
     else:
         lines += ["", f"Train/serve check not run: {mismatch['reason']}."]
     if not r["lossless"]:
-        lines += ["", "**Warning: outputs differ from the target alone** (first_mismatch in validation.json)."]
+        lines += ["", "**Validation failed: outputs really differ from the target alone** (divergences in "
+                      "validation.json)."]
+    if r.get("compare"):
+        lines += ["", *_compare_lines(r)]
     return "\n".join(lines) + "\n"
+
+
+def plot_tpot(r: dict, path: Path) -> None:
+    """Mean TPOT against concurrency: the target alone, the drafter at each K, n-gram (and the --compare one)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    for c in r["sweep"]["cells"]:
+        name = c["method"] if c["role"] == "none" else f"{c['method']} K={c['num_speculative_tokens']}"
+        series.setdefault(name, []).append((c["concurrency"], c["tpot_ms"]["mean"]))
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for name, points in sorted(series.items(), key=lambda kv: (kv[0] != "none", kv[0])):
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker="o", linewidth=2.5 if name == "none" else 1.2, label=name,
+                color="black" if name == "none" else None)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="concurrent requests", ylabel="mean TPOT (ms)", title="TPOT with and without speculation")
+    sat = (r.get("verdict") or {}).get("saturation_concurrency")
+    if sat is not None:
+        ax.axvline(sat, color="grey", linestyle=":", label=f"saturation ({sat})")
+    ax.legend(fontsize=7)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def plot_acceptance(r: dict, path: Path) -> None:
@@ -87,13 +185,25 @@ def plot_acceptance(r: dict, path: Path) -> None:
 
 
 def print_summary(r: dict, report_path: Path) -> None:
-    """One line that compares like with like: tokens per target step and output tokens/s of the drafter, n-gram
-    and the target alone (n-gram's acceptance length counts only the steps where it proposed: not comparable)."""
+    """Lines that compare like with like: tokens per target step and output tokens/s of the drafter, n-gram and the
+    target alone (n-gram's acceptance length counts only the steps where it proposed: not comparable); the verdict
+    comes last."""
     tok, per_step = r["output_tokens_per_s"], r["tokens_per_target_step"]
     ngram = (f"; ngram {r['ngram']['tokens_per_target_step']:.3f} tokens/step, "
              f"{r['ngram']['output_tokens_per_s']:.1f} tok/s" if r["ngram"] else "")
+    counts = r.get("lossless_checks") or {}
+    near = sum(c["near_ties"] for label, c in counts.items() if not label.startswith("ngram"))
     print(f"{r['method']} K={r['num_speculative_tokens']}: {per_step['drafter']:.3f} tokens per target step "
           f"(acceptance length {r['acceptance_length']:.3f}), {tok['with_drafter']:.1f} output tokens/s{ngram}; "
-          f"target alone {tok['without_drafter']:.1f} tok/s; lossless {r['lossless']}; recommended K "
-          f"{r['recommended_k']}" + ("; TRAIN/SERVE MISMATCH" if r["train_serve_mismatch"]["mismatch"] else ""))
+          f"target alone {tok['without_drafter']:.1f} tok/s; lossless {r['lossless']}"
+          + (f" ({near} near-tie(s) in {r.get('dtype')})" if near else "")
+          + ("; TRAIN/SERVE MISMATCH" if r["train_serve_mismatch"]["mismatch"] else ""))
     print(f"report: {report_path}")
+    cmp = r.get("compare")
+    if cmp and cmp["head_to_head"]:
+        wins = [h for h in cmp["head_to_head"] if h["winner"] == "drafter"]
+        print(f"{r['method']} vs {cmp['method']}: {r['method']} faster in {len(wins)} of "
+              f"{len(cmp['head_to_head'])} (concurrency, K) cells"
+              + (f"; {verdict_line(cmp['verdict'], cmp['method'])}" if cmp["verdict"] else ""))
+    if r.get("verdict"):
+        print(verdict_line(r["verdict"], r["method"]))

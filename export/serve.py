@@ -1,16 +1,18 @@
-"""One measured served run for validation: a server per configuration, a warm-up, the prompts sent with a fixed
-concurrency between two /metrics scrapes, and vLLM's --speculative-config for a drafter or n-gram."""
+"""One measured served run for validation: a server per configuration, a warm-up, the greedy pass (every prompt,
+its output token ids, between two /metrics scrapes), then the load cells of the sweep (export/sweep.py), and
+vLLM's --speculative-config for a drafter or n-gram."""
 from __future__ import annotations
 
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftsmith.export.acceptance import acceptance_length
 from draftsmith.export.server import VllmServer
 from draftsmith.export.spec_metrics import SpecCounters
+from draftsmith.export.sweep import LoadCell, run_load_cell
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +25,7 @@ class ServedRun:
     wall_s: float
     start_s: float
     delta: SpecCounters
+    cells: dict[int, LoadCell] = field(default_factory=dict)  # by concurrency
 
     @property
     def output_tokens(self) -> int:
@@ -51,9 +54,11 @@ def send_prompts(server: VllmServer, prompts: list[list[int]], max_tokens: int, 
 
 
 def measure_served_run(target: str, label: str, spec_config: dict | None, prompts: list[list[int]], *,
-                       max_tokens: int, concurrency: int, log_dir: Path, dtype: str, start_timeout_s: float
+                       max_tokens: int, concurrency: int, log_dir: Path, dtype: str, start_timeout_s: float,
+                       sweep_concurrency: tuple[int, ...] = (), sweep_min_requests: int = 0, tokenizer=None
                        ) -> ServedRun:
-    """Start a server, warm it up, send the prompts between two /metrics scrapes, stop it."""
+    """Start a server, warm it up, send the prompts between two /metrics scrapes, run the sweep's load cells (one
+    per `sweep_concurrency`), stop it."""
     max_model_len = max(2048, max(len(p) for p in prompts) + max_tokens)
     with VllmServer(target, label, log_dir, spec_config=spec_config, dtype=dtype, max_model_len=max_model_len,
                     start_timeout_s=start_timeout_s) as server:
@@ -61,7 +66,10 @@ def measure_served_run(target: str, label: str, spec_config: dict | None, prompt
         before = server.settled_spec_counters()
         token_ids, latencies, wall_s = send_prompts(server, prompts, max_tokens, concurrency)
         delta = server.settled_spec_counters() - before
-    run = ServedRun(label, token_ids, latencies, wall_s, server.start_s, delta)
+        cells = {c: run_load_cell(server, prompts, c, min_requests=sweep_min_requests, max_tokens=max_tokens,
+                                  tokenizer=tokenizer, log_path=Path(log_dir) / f"bench-{label}.txt")
+                 for c in sorted(sweep_concurrency)}
+    run = ServedRun(label, token_ids, latencies, wall_s, server.start_s, delta, cells)
     logger.info("%s: %d output tokens in %.1f s (%.1f tokens/s), acceptance length %.3f", label, run.output_tokens,
                 wall_s, run.output_tokens_per_s, acceptance_length(delta))
     return run

@@ -19,6 +19,7 @@ from typing import Self
 
 import psutil
 
+from draftsmith.data.faults import injected_request_fields
 from draftsmith.data.manifest import atomic_write_json
 from draftsmith.export.spec_metrics import SpecCounters, parse_spec_counters
 
@@ -224,6 +225,7 @@ class VllmServer:
         """Output token ids and latency (s) of one greedy /v1/completions request on token ids."""
         body = {"model": SERVED_MODEL_NAME, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
                 "return_token_ids": True}
+        body |= injected_request_fields(self.label)  # fault tests only: a forced token the lossless check must catch
         req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         t0 = time.monotonic()

@@ -17,3 +17,18 @@ def run_stage(script: str, *args: str, cwd: Path, config: str = "smollm2-quick")
     OUTPUTS.append(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    """Pids, other than this one, whose environment has DRAFTSMITH_TEST_MARKER=`marker`: every process that a
+    test's servers or launches started inherits it, so none can hide from the teardown checks."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("DRAFTSMITH_TEST_MARKER") == marker:
+                found.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return [p for p in found if p != os.getpid()]

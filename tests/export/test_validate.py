@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
+from stages import processes_with_marker
 
 from draftsmith.data.cli import run_entry
 from draftsmith.data.config import DrafterConfig
-from draftsmith.export import acceptance, serve, server, spec_metrics, validate
+from draftsmith.export import acceptance, serve, server, spec_metrics, sweep, validate
 from draftsmith.export import format as fmt
-from draftsmith.export.report import plot_acceptance, print_summary, render_markdown
+from draftsmith.export.report import plot_acceptance, plot_tpot, print_summary, render_markdown
 from draftsmith.export.write import write_drafter_folder
 from draftsmith.train.spec import spec_for_target
 
@@ -110,10 +109,10 @@ def test_error_excerpt_quotes_vllm_exception(tmp_path):
 # ---- the pre-flight check (no server) --------------------------------------------------------------------
 
 
-def _write_yaml(tmp_path: Path, run_dir: Path, export: str = "") -> Path:
+def _write_yaml(tmp_path: Path, run_dir: Path, export: str = "", dtype: str = "float32") -> Path:
     # a first-ever torch.compile on a busy 2-core machine can take many minutes
     path = tmp_path / "validate-test.yaml"
-    path.write_text(f"output_dir: {run_dir}\ntarget:\n  name_or_path: smollm2\n"
+    path.write_text(f"output_dir: {run_dir}\ntarget:\n  name_or_path: smollm2\n  dtype: {dtype}\n"
                     f"export:\n  server_start_timeout_s: 1800\n{export}")
     return path
 
@@ -170,13 +169,15 @@ def test_null_target_hidden_size_means_the_layer_width(tmp_path):
 # ---- real vLLM servers (slow: 4 server starts, about 6-8 minutes on 2 cores) -------------------------------
 
 
-def _random_drafter(target_dir: Path, out: Path, aux_layer_ids=(2, 15, 27)) -> Path:
-    """A random 1-layer EAGLE-3 drafter for the target, written by the exporter in the speculators format."""
+def _random_drafter(target_dir: Path, out: Path, aux_layer_ids=(2, 15, 27), method: str = "eagle3") -> Path:
+    """A random 1-layer EAGLE-3 (or P-EAGLE) drafter for the target, written by the exporter in the speculators
+    format."""
     from transformers import AutoConfig
 
-    spec = spec_for_target(AutoConfig.from_pretrained(target_dir), DrafterConfig(norm_before_residual=False),
-                           method="eagle3", aux_layer_ids=aux_layer_ids,
-                           draft_vocab_size=AutoConfig.from_pretrained(target_dir).vocab_size,
+    config = AutoConfig.from_pretrained(target_dir)
+    spec = spec_for_target(config, DrafterConfig(norm_before_residual=False), method=method,
+                           aux_layer_ids=aux_layer_ids, draft_vocab_size=config.vocab_size,
+                           mask_token_id=config.vocab_size - 1 if method == "peagle" else None,
                            verifier_name_or_path=str(target_dir))
     g = torch.Generator().manual_seed(0)
     tensors = {name: 0.02 * torch.randn(shape, generator=g) for name, (shape, _) in fmt.expected_tensors(spec).items()}
@@ -187,18 +188,6 @@ def _edit_config(folder: Path, edit) -> None:
     config = json.loads((folder / "config.json").read_text())
     edit(config)
     (folder / "config.json").write_text(json.dumps(config))
-
-
-def _processes_with_marker(marker: str) -> list[int]:
-    """Pids whose environment carries `marker`: every process a test's servers started inherits it."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("DRAFTSMITH_TEST_MARKER") == marker:
-                found.append(p.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return [p for p in found if p != os.getpid()]
 
 
 @pytest.fixture
@@ -221,7 +210,7 @@ PROMPTS = [{"messages": [{"role": "user", "content": "Write a Python function th
 
 
 @pytest.mark.slow
-def test_serves_random_drafter_losslessly(tmp_path, target_dir, server_marker):
+def test_serves_random_drafter_losslessly(tmp_path, target_dir, server_marker, capsys):
     run_dir = tmp_path / "run"
     drafter = _random_drafter(target_dir, run_dir / "drafter")
     heldout = run_dir / "dataset" / "prompts-heldout.jsonl"
@@ -230,12 +219,17 @@ def test_serves_random_drafter_losslessly(tmp_path, target_dir, server_marker):
     (run_dir / "train").mkdir()
     (run_dir / "train" / "eval_heldout.json").write_text(json.dumps(
         {"per_step_accuracy": [0.7, 0.5, 0.4], "simulated_acceptance_length": {"1": 1.7, "2": 2.2, "3": 2.6}}))
-    cfg = _write_yaml(tmp_path, run_dir, "  num_validation_prompts: 3\n  max_tokens: 16\n  concurrency: 2\n")
-    run_entry(validate.main, ["--config", str(cfg), "--drafter", str(drafter), "--target", str(target_dir)])
+    cfg = _write_yaml(tmp_path, run_dir, "  num_validation_prompts: 3\n  max_tokens: 16\n  sweep_min_requests: 2\n")
+    peagle = _random_drafter(target_dir, tmp_path / "peagle", method="peagle")  # served with parallel drafting
+    run_entry(validate.main, ["--config", str(cfg), "--drafter", str(drafter), "--target", str(target_dir),
+                              "--concurrency", "1,2", "--compare", str(peagle)])
 
     report = json.loads((run_dir / "validation.json").read_text())
     assert report["lossless"] is True, report["first_mismatch"]
     assert report["ngram"]["lossless"] is True, report["ngram"]["first_mismatch"]
+    # fp32: the strict check, token identity, with nothing left to re-score
+    check = report["lossless_checks"]["drafter-k3"]
+    assert (check["strict"], check["identical"], check["near_ties"], check["real"]) == (True, 3, 0, 0)
     assert report["num_prompts"] == 3 and report["num_speculative_tokens"] == 3
     rates = report["acceptance_rate_per_position"]
     # vLLM's per-position counters add up to its accepted total: AL = 1 + the sum of the per-position rates
@@ -246,11 +240,68 @@ def test_serves_random_drafter_losslessly(tmp_path, target_dir, server_marker):
     assert report["recommended_k"] == acceptance.recommend_k(rates, cost["c0_ms"], cost["c_draft_ms"])[0]
     # a random drafter accepts (almost) nothing, far from the 2.6 the fake trainer eval claims
     assert report["train_serve_mismatch"]["checked"] and report["train_serve_mismatch"]["mismatch"]
-    assert (run_dir / "validation.md").read_text().startswith("# Validation")
-    assert (run_dir / "validation-acceptance.png").read_bytes()[:4] == b"\x89PNG"
-    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["vllm-drafter-k3.log", "vllm-ngram-k3.log",
-                                                                     "vllm-none.log"]
-    assert _processes_with_marker(server_marker) == []
+
+    # the sweep: one cell per (server, concurrency), timed by vLLM's client, the same requests everywhere
+    cells = report["sweep"]["cells"]
+    assert sorted((c["role"], c["num_speculative_tokens"], c["concurrency"]) for c in cells) == [
+        ("compare", 3, 1), ("compare", 3, 2), ("drafter", 3, 1), ("drafter", 3, 2), ("ngram", 3, 1),
+        ("ngram", 3, 2), ("none", 0, 1), ("none", 0, 2)]
+    for c in cells:
+        assert c["num_requests"] == 2 and 0 < c["output_tokens"] <= 2 * 16
+        assert 0 < c["tpot_ms"]["p50"] <= c["tpot_ms"]["p90"] and c["tpot_ms"]["mean"] > 0
+        assert (c["token_acceptance_rate"] is None) == (c["role"] == "none")
+    # same greedy outputs, so the same tokens, in every cell of a concurrency
+    assert len({c["output_tokens"] for c in cells if c["concurrency"] == 1}) == 1
+    # a random drafter's proposals are rejected: the verdict says off, warns on TAR, and the rule says so
+    decision = report["verdict"]
+    assert [r["concurrency"] for r in decision["by_concurrency"]] == [1, 2]
+    assert not any(r["use"] for r in decision["by_concurrency"]) and decision["saturation_concurrency"] == 1
+    assert all(r["tar_warning"] for r in decision["by_concurrency"])
+    assert decision["routing_rule"].startswith("do not speculate")
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("verdict (eagle3): do not use for this traffic; c=1: off"), out[-1]
+    # --compare: the P-EAGLE drafter on the same prompts and cells, lossless too, one winner per (c, K)
+    compare = report["compare"]
+    assert compare["method"] == "peagle" and compare["lossless"] is True
+    assert [(h["concurrency"], h["num_speculative_tokens"]) for h in compare["head_to_head"]] == [(1, 3), (2, 3)]
+    assert all(h["winner"] in ("drafter", "compare") for h in compare["head_to_head"])
+    assert any(line.startswith("eagle3 vs peagle: eagle3 faster in") for line in out)
+    assert '"parallel_drafting": true' in (run_dir / "logs" / "vllm-compare-k3.log").read_text().splitlines()[0]
+    markdown = (run_dir / "validation.md").read_text()
+    assert markdown.startswith("# Validation") and "## Verdict" in markdown and "| 2 | ngram | 3 |" in markdown
+    for plot in ("validation-acceptance.png", "validation-tpot.png"):
+        assert (run_dir / plot).read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
+        "bench-compare-k3.txt", "bench-drafter-k3.txt", "bench-ngram-k3.txt", "bench-none.txt", "vllm-compare-k3.log",
+        "vllm-drafter-k3.log", "vllm-ngram-k3.log", "vllm-none.log"]
+    assert processes_with_marker(server_marker) == []
+
+
+@pytest.mark.slow
+def test_bf16_lossless_check_catches_a_forced_token(tmp_path, target_dir, server_marker, monkeypatch):
+    """In bf16 token identity is not the test; a forced token (the drafter's requests allowed only one token, the
+    way a broken sampler would act) is a real disagreement all the same: fp32 re-scoring finds it far below the
+    target's top logit, and validation fails."""
+    from transformers import AutoTokenizer
+
+    forced = AutoTokenizer.from_pretrained(target_dir).encode(" banana")[0]
+    monkeypatch.setenv("DRAFTSMITH_FAULT_REQUEST_FIELDS", f'drafter:{{"allowed_token_ids": [{forced}]}}')
+    drafter = _random_drafter(target_dir, tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:2]))
+    cfg = _write_yaml(tmp_path, tmp_path / "run", "  max_tokens: 8\n  ngram_baseline: false\n  concurrency: 2\n"
+                      "  sweep_min_requests: 2\n", dtype="bfloat16")
+    with pytest.raises(SystemExit) as e:
+        run_entry(validate.main, ["--config", str(cfg), "--drafter", str(drafter), "--target", str(target_dir),
+                                  "--prompts", str(prompts)])
+    assert e.value.code != 0
+    report = json.loads((tmp_path / "run" / "validation.json").read_text())
+    check = report["lossless_checks"]["drafter-k3"]
+    assert report["lossless"] is False and not check["strict"] and check["real"] == 2, check
+    for d in check["divergences"]:
+        assert d["other_token"] == forced and d["class"] == "real"
+        assert d["fp32_gap_other"] > report["lossless_checks"]["drafter-k3"]["near_tie_bound_logits"]
+    assert processes_with_marker(server_marker) == []
 
 
 @pytest.mark.slow
@@ -268,12 +319,15 @@ def test_refused_drafter_fails_with_vllm_error_and_leaves_no_process(tmp_path, t
     assert "drafter-k3" in str(e.value) and "exited with code" in str(e.value)
     assert "SafetensorError" in str(e.value).splitlines()[0], str(e.value)[:2000]  # vLLM's root cause, first
     assert not (tmp_path / "run" / "logs" / "vllm-none.log").exists()  # the baseline never started
-    assert _processes_with_marker(server_marker) == []
+    assert processes_with_marker(server_marker) == []
 
 
-def _served(label, token_ids, latencies_s, delta=None):
+def _served(label, token_ids, latencies_s, delta=None, tpot_ms=None):
     delta = delta or spec_metrics.SpecCounters()
-    return serve.ServedRun(label, token_ids, latencies_s, wall_s=2.0, start_s=90.0, delta=delta)
+    cells = {} if tpot_ms is None else {4: sweep.LoadCell(
+        concurrency=4, num_requests=8, output_tokens=80, tpot_ms={"mean": tpot_ms, "p50": tpot_ms, "p90": tpot_ms},
+        ttft_ms=50.0, output_tokens_per_s=1000 / tpot_ms, delta=delta)}
+    return serve.ServedRun(label, token_ids, latencies_s, wall_s=2.0, start_s=90.0, delta=delta, cells=cells)
 
 
 def test_report_from_measured_runs(tmp_path, capsys):
@@ -286,14 +340,18 @@ def test_report_from_measured_runs(tmp_path, capsys):
     outputs = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]  # 10 output tokens
     runs = {
         # K=3: 4 drafts accepting 2, 1, 1 at positions 0..2: AL 2.0, 10 - 4 = 6 target steps of 60 ms
-        "drafter-k3": _served("drafter-k3", outputs, [0.18, 0.18], spec_metrics.SpecCounters(4, 12, 4, (2, 1, 1))),
+        "drafter-k3": _served("drafter-k3", outputs, [0.18, 0.18], spec_metrics.SpecCounters(4, 12, 4, (2, 1, 1)),
+                              tpot_ms=24.0),
         # K=1: 2 accepted, 8 steps of 37.5 ms
-        "drafter-k1": _served("drafter-k1", outputs, [0.15, 0.15], spec_metrics.SpecCounters(4, 4, 2, (2,))),
-        "none": _served("none", outputs, [0.15, 0.15]),  # 10 steps of 30 ms
+        "drafter-k1": _served("drafter-k1", outputs, [0.15, 0.15], spec_metrics.SpecCounters(4, 4, 2, (2,)),
+                              tpot_ms=28.0),
+        "none": _served("none", outputs, [0.15, 0.15], tpot_ms=30.0),  # 10 steps of 30 ms
         "ngram-k3": _served("ngram-k3", [[1, 2, 3, 4, 5], [6, 7, 0, 9, 10]], [0.15, 0.15],
-                            spec_metrics.SpecCounters(4, 12, 1, (1, 0, 0))),
+                            spec_metrics.SpecCounters(4, 12, 1, (1, 0, 0)), tpot_ms=29.0),
     }
-    report = validate.build_report(cfg, runs, {"method": "eagle3"}, run_dir / "drafter", "t", default_prompts=True)
+    lossless = validate.lossless_checks(runs, [[0], [0]], dtype="float32", target="t", bound=1.0, eos_token_id=None)
+    report = validate.build_report(cfg, runs, {"method": "eagle3"}, run_dir / "drafter", "t", default_prompts=True,
+                                   lossless=lossless)
     assert report["num_speculative_tokens"] == 3 and report["acceptance_length"] == pytest.approx(2.0)
     assert report["acceptance_rate_per_position"] == pytest.approx([0.5, 0.25, 0.25])
     assert report["acceptance_length_by_k"] == pytest.approx({"1": 1.5, "2": 1.75, "3": 2.0})
@@ -305,7 +363,9 @@ def test_report_from_measured_runs(tmp_path, capsys):
     assert report["cost_model"]["c0_ms"] == pytest.approx(42.5 - 47.5 / (42 / 9) * 4 / 3)
     # AL / cost in tokens per ms: K=0 1/28.93 = .0346, K=1 1.5/39.11 = .0384, K=2 1.75/49.29 = .0355, K=3 .0336
     assert report["recommended_k"] == 1
-    assert report["ngram"]["lossless"] is False and report["lossless"] is False
+    # n-gram (vLLM's own method) differs: reported, but "lossless" judges the drafter
+    assert report["ngram"]["lossless"] is False and report["lossless"] is True
+    assert report["lossless_checks"]["ngram-k3"]["real"] == 1
     assert report["ngram"]["first_mismatch"] == {"prompt_index": 1, "token_position": 2}
     assert report["entries"][0]["lossless"] and report["entries"][1]["lossless"]
     mismatch = report["train_serve_mismatch"]
@@ -320,17 +380,28 @@ def test_report_from_measured_runs(tmp_path, capsys):
     assert deeper["k"] == 3 and deeper["served_acceptance_length"] == 2.0 and not deeper["mismatch"]
     assert validate.check_train_serve(evaluated, {"4": 2.0}, True)["checked"] is False
     markdown = render_markdown(report)
-    assert "| eagle3 | 3 | 2.00 | 1.67 |" in markdown and "**Recommended K: 1**" in markdown
+    assert "| eagle3 | 3 | 2.00 | 1.67 |" in markdown and "best K by it: 1" in markdown
+    # the sweep: K=3 cuts TPOT 30 -> 24 ms (20 %), K=1 28 ms (7 %): use K=3 at 4 running requests
+    decision = report["verdict"]
+    assert [(r["concurrency"], r["best_k"], r["use"]) for r in decision["by_concurrency"]] == [(4, 3, True)]
+    assert decision["by_concurrency"][0]["tpot_gain"] == pytest.approx(0.2)
+    assert decision["by_concurrency"][0]["token_acceptance_rate"] == pytest.approx(4 / 12)
+    assert "| 4 | eagle3 | 3 | 24.0 | 24.0 | 24.0 | 41.7 | 1.05 | 0.33 | 2.00 |" in markdown
+    assert "| 4 | none | 0 | 30.0 |" in markdown and "## Verdict" in markdown
+    plot_tpot(report, tmp_path / "tpot.png")
+    assert (tmp_path / "tpot.png").read_bytes()[:4] == b"\x89PNG"
     plot_acceptance(report, tmp_path / "acc.png")
     assert (tmp_path / "acc.png").read_bytes()[:4] == b"\x89PNG"
     # the summary line sets like beside like: tokens per target step; n-gram's per-draft AL (1.25) stays out
     print_summary(report, tmp_path / "validation.md")
-    line = capsys.readouterr().out.splitlines()[0]
+    printed = capsys.readouterr().out.splitlines()
+    line = printed[0]
     assert "1.667 tokens per target step" in line and "ngram 1.111 tokens/step" in line and "1.250" not in line
+    assert printed[-1].startswith("verdict (eagle3): use; c=4: K=3 +20% TPOT; routing: speculate at every")
 
     # one K: no entries list; the table row comes from the top-level numbers
     single_cfg, _ = load_config(str(_write_yaml(tmp_path, run_dir, "  num_speculative_tokens: [3]\n")))
     del runs["drafter-k1"]
-    single = validate.build_report(single_cfg, runs, {"method": "eagle3"}, run_dir / "drafter", "t", True)
+    single = validate.build_report(single_cfg, runs, {"method": "eagle3"}, run_dir / "drafter", "t", True, lossless)
     assert single["entries"] is None and single["lossless_by_method"] == {"drafter": True, "ngram": False}
     assert "| eagle3 | 3 | 2.00 | 1.67 | 5.0 | 60.0 | True |" in render_markdown(single)

@@ -12,10 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from stages import processes_with_marker
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = int(os.environ.get("DRAFTSMITH_FAULT_SEED", str(int(time.time()) % 100_000)))
@@ -162,17 +162,6 @@ def test_export_killed_inside_its_write_reruns_to_the_same_folder(tiny_run, tmp_
 # ---- validation ----------------------------------------------------------------------------------------------------
 
 
-def processes_with(marker: str) -> list[int]:
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("DRAFTSMITH_TEST_MARKER") == marker:
-                found.append(p.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
 @pytest.mark.slow
 def test_validation_killed_while_serving_leaves_no_process_or_port_after_the_rerun(tmp_path):
     import json
@@ -187,7 +176,7 @@ def test_validation_killed_while_serving_leaves_no_process_or_port_after_the_rer
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     config = str(_write_yaml(tmp_path, run_dir, "  num_validation_prompts: 3\n  max_tokens: 16\n  concurrency: 2\n"
-                                                "  ngram_baseline: false\n"))
+                                                "  sweep_min_requests: 2\n  ngram_baseline: false\n"))
     cmd = command("export/validate.py", config, "--drafter", str(drafter), "--prompts", str(prompts))
     marker = f"kill-matrix-{uuid.uuid4().hex}"
     env = {**os.environ, "DRAFTSMITH_TEST_MARKER": marker, "PYTHONUNBUFFERED": "1"}
@@ -197,7 +186,7 @@ def test_validation_killed_while_serving_leaves_no_process_or_port_after_the_rer
         for line in validator.stderr:  # killed once the first server (the target alone) is up and serving
             if "healthy after" in line:
                 break
-        serving = processes_with(marker)
+        serving = processes_with_marker(marker)
         assert len(serving) >= 3, serving  # the validator, the API server and its engine
         validator.send_signal(signal.SIGKILL)
         validator.wait()
@@ -206,11 +195,11 @@ def test_validation_killed_while_serving_leaves_no_process_or_port_after_the_rer
             validator.kill()
     # the kernel kills the server with its validator (PR_SET_PDEATHSIG) and vLLM's engine follows it
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(processes_with(marker)) > 1:
+    while time.monotonic() < deadline and len(processes_with_marker(marker)) > 1:
         time.sleep(1)
     rerun = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800, check=False)
     assert rerun.returncode == 0, rerun.stderr[-4000:]
     assert json.loads((run_dir / "validation.json").read_text())["lossless"] is True
     time.sleep(2)
-    assert processes_with(marker) == [], "the killed validation left processes behind after the rerun"
+    assert processes_with_marker(marker) == [], "the killed validation left processes behind after the rerun"
     assert list((run_dir / "logs").glob("*.group.json")) == []

@@ -43,7 +43,7 @@ SIZES = (
     "train.max_steps=3", "train.warmup_steps=1", "train.batch_tokens=2048", "train.grad_accum=1",
     "train.log_every=1", "train.eval_every=3", "train.save_every=3", "train.eval_max_samples=4",
     "export.num_speculative_tokens=[3]", "export.num_validation_prompts=3", "export.max_tokens=24",
-    "export.concurrency=3", "export.ngram_baseline=false",
+    "export.concurrency=3", "export.sweep_min_requests=3", "export.ngram_baseline=false",
 )
 
 

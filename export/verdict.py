@@ -1,0 +1,85 @@
+"""The operator's answer from the sweep's cells (DESIGN section 7): per concurrency the best K and its TPOT gain
+over no speculation, "off" where no K gains enough, a warning where proposals are mostly rejected, the saturation
+point and a routing rule. Pure arithmetic over the report's cell dicts, so tests check it by hand."""
+from __future__ import annotations
+
+MIN_TPOT_GAIN = 0.10
+"""A K is worth turning on where it cuts mean TPOT by at least this share against no speculation."""
+MIN_TOKEN_ACCEPTANCE_RATE = 0.30
+"""Below this TAR (accepted / proposed draft tokens) the drafter mostly burns verify compute."""
+
+
+def tpot_gain(tpot_ms: float, baseline_tpot_ms: float) -> float:
+    """Share of the baseline's mean TPOT that speculation saves (0.2 = 20 % less time per output token)."""
+    return 1.0 - tpot_ms / baseline_tpot_ms if baseline_tpot_ms > 0 else 0.0
+
+
+def cells_of(cells: list[dict], role: str) -> dict[tuple[int, int], dict]:
+    """{(concurrency, K): cell} of one role ('drafter', 'compare', 'ngram', 'none')."""
+    return {(c["concurrency"], c["num_speculative_tokens"]): c for c in cells if c["role"] == role}
+
+
+def decide(cells: list[dict], role: str = "drafter") -> dict:
+    """Best K per concurrency, saturation point and routing rule for the drafter of `role`."""
+    baseline = {c: cell["tpot_ms"]["mean"] for (c, _), cell in cells_of(cells, "none").items()}
+    mine = cells_of(cells, role)
+    rows = []
+    for c in sorted(baseline):
+        by_k = {k: cell for (cc, k), cell in mine.items() if cc == c}
+        if not by_k:
+            continue
+        gains = {k: tpot_gain(cell["tpot_ms"]["mean"], baseline[c]) for k, cell in by_k.items()}
+        best = max(gains, key=lambda k: (gains[k], -k))
+        tar = by_k[best]["token_acceptance_rate"]
+        use = gains[best] >= MIN_TPOT_GAIN - 1e-9  # exactly 10 % counts, rounding aside
+        rows.append({"concurrency": c, "best_k": best, "tpot_gain": gains[best], "use": use,
+                     "tpot_ms_without": baseline[c], "tpot_ms_with": by_k[best]["tpot_ms"]["mean"],
+                     "token_acceptance_rate": tar,
+                     "tar_warning": tar is not None and tar < MIN_TOKEN_ACCEPTANCE_RATE,
+                     "tpot_gain_by_k": {str(k): gains[k] for k in sorted(gains)}})
+    off = [r["concurrency"] for r in rows if not r["use"]]
+    saturation = min(off) if off else None
+    return {"role": role, "min_tpot_gain": MIN_TPOT_GAIN, "min_token_acceptance_rate": MIN_TOKEN_ACCEPTANCE_RATE,
+            "by_concurrency": rows, "saturation_concurrency": saturation,
+            "routing_rule": routing_rule(rows, saturation)}
+
+
+def routing_rule(rows: list[dict], saturation: int | None) -> str:
+    """The rule a proxy applies; vLLM 0.32 has no setting that switches speculation off by batch size (V0's
+    speculative_disable_by_batch_size went with V0), so the switch lives in front of two deployments."""
+    if not rows:
+        return "no measurement"
+    if saturation is None:
+        return (f"speculate at every measured load (up to {rows[-1]['concurrency']} running requests, "
+                f"K={rows[-1]['best_k']} there); saturation not reached")
+    below = [r for r in rows if r["concurrency"] < saturation and r["use"]]
+    if not below:
+        return "do not speculate for this traffic: no K cuts TPOT by " \
+               f"{100 * MIN_TPOT_GAIN:.0f}% even at {rows[0]['concurrency']} running request(s)"
+    n = below[-1]["concurrency"]
+    return (f"speculate while running requests <= {n} (K={below[-1]['best_k']}); above, route to a server without "
+            f"--speculative-config (proxy rule on vLLM's vllm:num_requests_running)")
+
+
+def head_to_head(cells: list[dict], first: str = "drafter", second: str = "compare") -> list[dict]:
+    """Per (concurrency, K) served by both: which drafter has the lower mean TPOT."""
+    a, b = cells_of(cells, first), cells_of(cells, second)
+    out = []
+    for key in sorted(set(a) & set(b)):
+        ta, tb = a[key]["tpot_ms"]["mean"], b[key]["tpot_ms"]["mean"]
+        out.append({"concurrency": key[0], "num_speculative_tokens": key[1], f"tpot_ms_{first}": ta,
+                    f"tpot_ms_{second}": tb, "winner": first if ta <= tb else second})
+    return out
+
+
+def verdict_line(decision: dict, method: str) -> str:
+    """The last line the validator prints: per concurrency the best K and its gain, or 'off', and the rule."""
+    parts = []
+    for r in decision["by_concurrency"]:
+        what = (f"K={r['best_k']} {100 * r['tpot_gain']:+.0f}% TPOT" if r["use"]
+                else f"off (best K={r['best_k']} {100 * r['tpot_gain']:+.0f}%)")
+        if r["tar_warning"]:
+            what += f", TAR {r['token_acceptance_rate']:.2f} < {MIN_TOKEN_ACCEPTANCE_RATE:.2f}"
+        parts.append(f"c={r['concurrency']}: {what}")
+    verdict = "use" if any(r["use"] for r in decision["by_concurrency"]) else "do not use for this traffic"
+    return f"verdict ({method}): {verdict}; " + "; ".join(parts) + f"; routing: {decision['routing_rule']}"
