@@ -16,6 +16,11 @@ def acceptance_length(delta: SpecCounters) -> float:
     return 1.0 + (delta.accepted / delta.drafts if delta.drafts > 0 else 0.0)
 
 
+def token_acceptance_rate(delta: SpecCounters) -> float | None:
+    """TAR: accepted / proposed draft tokens; None when nothing was proposed (no speculation)."""
+    return delta.accepted / delta.draft_tokens if delta.draft_tokens > 0 else None
+
+
 def acceptance_length_by_k(rates: list[float]) -> dict[int, float]:
     """AL(K') = 1 + sum of the first K' rates: greedy drafts at position i do not depend on K."""
     out, total = {}, 1.0

@@ -57,7 +57,7 @@ A {{ method }} drafter for `{{ verifier }}`, trained with Draftsmith and validat
 ```bash
 {{ serve }}
 ```
-Recommended K = {{ k }} (from the measured per-position acceptance and step costs).
+Recommended K = {{ k }} (from the served sweep below, or the measured step costs).
 
 ## Measured when served (greedy, {{ num_prompts }} held-out prompts)
 {{ acceptance }}
@@ -96,7 +96,10 @@ def model_card(repo_id: str, spec: DrafterSpec, validation: dict, train_config: 
     from huggingface_hub import ModelCard, ModelCardData
 
     verifier = public_target_name(manifest.get("target", {}).get("name_or_path", spec.verifier_name_or_path))
-    k = int(validation.get("recommended_k") or validation.get("num_speculative_tokens") or 3)
+    # the sweep's best K at the lowest load where speculation pays, else the step-cost model's, else the served K
+    paying = [r for r in (validation.get("verdict") or {}).get("by_concurrency", []) if r["use"]]
+    k = int(paying[0]["best_k"] if paying else validation.get("recommended_k")
+            or validation.get("num_speculative_tokens") or 3)
     tps = validation.get("tokens_per_target_step") or {}
     speed = validation.get("output_tokens_per_s") or {}
     data, tcfg = manifest.get("prompt_source", {}), train_config.get("train", {})

@@ -40,7 +40,7 @@ class LoadCell:
     @property
     def token_acceptance_rate(self) -> float | None:
         """TAR: accepted / proposed draft tokens."""
-        return self.delta.accepted / self.delta.draft_tokens if self.delta.draft_tokens > 0 else None
+        return acceptance.token_acceptance_rate(self.delta)
 
     @property
     def tokens_per_target_step(self) -> float:

@@ -144,8 +144,7 @@ def split_label(label: str) -> tuple[str, int]:
 def summarize_run(run: ServedRun, k: int, lossless: dict) -> dict:
     return {"num_speculative_tokens": k, "acceptance_length": acceptance.acceptance_length(run.delta),
             "acceptance_rate_per_position": acceptance.acceptance_rates(run.delta),
-            "token_acceptance_rate": (run.delta.accepted / run.delta.draft_tokens
-                                      if run.delta.draft_tokens > 0 else None),
+            "token_acceptance_rate": acceptance.token_acceptance_rate(run.delta),
             "tokens_per_target_step": acceptance.tokens_per_target_step(run.output_tokens, run.delta.accepted),
             "output_tokens_per_s": run.output_tokens_per_s, "step_time_ms": 1e3 * run.step_time_s,
             "output_tokens": run.output_tokens, "lossless": lossless["lossless"],
@@ -155,7 +154,7 @@ def summarize_run(run: ServedRun, k: int, lossless: dict) -> dict:
 
 def first_mismatch(lossless: dict) -> dict | None:
     d = lossless["divergences"]
-    return d and {"prompt_index": d[0]["prompt_index"], "token_position": d[0]["position"]}
+    return {"prompt_index": d[0]["prompt_index"], "token_position": d[0]["position"]} if d else None
 
 
 def sweep_cells(runs: dict[str, ServedRun], methods: dict[str, str]) -> list[dict]:

@@ -78,3 +78,27 @@ def test_a_drafter_other_than_the_validated_one_is_refused(tmp_path):
                                          r".*other-drafter/model.safetensors has sha256 [0-9a-f]{16}: validate this"):
         push.main(["--config", cfg, "--repo-id", "me/x", "--dry-run", "--drafter", str(other)])
     assert not (run / "hub").exists()  # refused before staging anything
+
+
+def test_the_card_carries_the_sweep_verdict_and_its_plot(tmp_path, monkeypatch):
+    from draftsmith.export import verdict
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    run, cfg = _run_dir(tmp_path)
+    cells = [{"role": role, "method": role, "num_speculative_tokens": k, "concurrency": c,
+              "tpot_ms": {"mean": t}, "token_acceptance_rate": tar}
+             for role, k, c, t, tar in [("none", 0, 1, 20.0, None), ("none", 0, 16, 40.0, None),
+                                        ("drafter", 5, 1, 12.0, 0.55), ("drafter", 5, 16, 44.0, 0.55)]]
+    report = json.loads((run / "validation.json").read_text())
+    report |= {"dtype": "bfloat16", "verdict": verdict.decide(cells)}
+    (run / "validation.json").write_text(json.dumps(report))
+    (run / "validation-tpot.png").write_bytes(b"\x89PNG-stand-in")
+    push.main(["--config", cfg, "--repo-id", "me/smol-drafter", "--dry-run"])
+    staged = run / "hub" / "me--smol-drafter"
+    assert (staged / "validation-tpot.png").is_file()
+    card = (staged / "README.md").read_text()
+    assert "## When to turn it on" in card and "| 1 | 5 | 20.0 | 12.0 | +40% | 0.55 | yes |" in card
+    assert "| 16 | 5 | 40.0 | 44.0 | -10% | 0.55 | no |" in card
+    assert "speculate while running requests <= 1 (K=5)" in card and "![TPOT vs concurrency](validation-tpot.png)" in card
+    assert '"num_speculative_tokens": 5' in card  # K from the sweep, over the cost model's 2
+    assert "near-ties of bf16/fp16 numerics re-scored in fp32" in card
