@@ -140,6 +140,7 @@ def plot_tpot(r: dict, path: Path) -> None:
     series: dict[str, list[tuple[int, float]]] = {}
     for c in r["sweep"]["cells"]:
         name = c["method"] if c["role"] == "none" else f"{c['method']} K={c['num_speculative_tokens']}"
+        name += " (--compare)" if c["role"] == "compare" else ""  # two drafters of one method stay apart
         series.setdefault(name, []).append((c["concurrency"], c["tpot_ms"]["mean"]))
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for name, points in sorted(series.items(), key=lambda kv: (kv[0] != "none", kv[0])):
