@@ -1,10 +1,10 @@
 """Artifact manifests: atomic JSON writes, checksums, and the target identity every stage checks."""
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -13,12 +13,29 @@ from draftsmith.data.errors import UserError
 from draftsmith.data.faults import kill_point
 
 
+_TEMP_SUFFIX = re.compile(r"\.[a-z0-9_]{8}\.tmp")  # what mkstemp adds after our prefix
+_stale_temps: dict[Path, set[str]] = {}  # folder -> temp names found there at this process's first write
+
+
+def stale_temps_of(path: Path) -> list[Path]:
+    """Temp files of `path` that a killed write left behind. One writer per file and a writer removes its own temps
+    on failure, so the stale ones are those already there when this process first wrote into the folder: the
+    folder is listed once per process, not once per write (thousands of shards in one folder)."""
+    folder = path.parent
+    names = _stale_temps.get(folder)
+    if names is None:
+        names = _stale_temps[folder] = {p.name for p in folder.glob(".*.tmp")}
+    prefix = f".{path.name}"
+    mine = {n for n in names if n.startswith(prefix) and _TEMP_SUFFIX.fullmatch(n[len(prefix):])}
+    names -= mine
+    return [folder / n for n in mine]
+
+
 def temp_file_beside(path: Path) -> tuple[int, Path]:
     """A new temp file (open fd, path) in path's folder: the same filesystem, so renaming it onto path is atomic."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # one writer per file: a temp file of this path still here is what a killed write left (never read)
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+    for stale in stale_temps_of(path):  # never read: what a killed write of this very file left
         stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     umask = os.umask(0)

@@ -41,3 +41,23 @@ def test_a_failed_save_leaves_the_previous_bundle_whole(tmp_path):
         pass
     assert {p.name: p.read_bytes() for p in best.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+
+
+def test_an_atomic_write_removes_only_its_own_files_stale_temps(tmp_path):
+    from draftsmith.data.manifest import atomic_write_bytes
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    # what killed writes left: a temp of shard-1 (twice), of its sidecar, and of another shard
+    stale = [".shard-1.safetensors.abcd1234.tmp", ".shard-1.safetensors.zz_9yx00.tmp",
+             ".shard-1.safetensors.sha256.k3j2h1g0.tmp", ".shard-2.safetensors.q1w2e3r4.tmp"]
+    for name in stale:
+        (folder / name).write_bytes(b"half")
+    atomic_write_bytes(folder / "shard-1.safetensors", b"whole")
+    left = sorted(p.name for p in folder.iterdir())
+    assert left == [".shard-1.safetensors.sha256.k3j2h1g0.tmp", ".shard-2.safetensors.q1w2e3r4.tmp",
+                    "shard-1.safetensors"]
+    atomic_write_bytes(folder / "shard-1.safetensors.sha256", b"sum")
+    atomic_write_bytes(folder / "shard-2.safetensors", b"whole")
+    assert sorted(p.name for p in folder.iterdir()) == ["shard-1.safetensors", "shard-1.safetensors.sha256",
+                                                        "shard-2.safetensors"]
