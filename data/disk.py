@@ -43,10 +43,6 @@ def shard_bytes_on_disk(folder: Path) -> int:
     return sum(f.stat().st_size for f in Path(folder).glob("shard-*.safetensors"))
 
 
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 def human_bytes(n: int) -> str:
     """1.50 GiB, 12.3 MiB, 40.0 KiB: a size readable at any scale."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
@@ -58,18 +54,19 @@ def human_bytes(n: int) -> str:
 def describe_disk_plan(folder: Path, tokens: int, per_token: int, regenerate: bool) -> str:
     needed = tokens * per_token
     basis = "templated prompts + regenerate.max_new_tokens per sample" if regenerate else "templated samples"
-    return (f"dataset {folder}: about {gib(needed)} on disk ({needed} bytes = {tokens} tokens from the {basis} x "
-            f"{per_token} bytes/token)\nshards already there: {gib(shard_bytes_on_disk(folder))}\n"
-            f"free space on its filesystem: {gib(free_bytes(folder))}")
+    return (f"dataset {folder}: about {human_bytes(needed)} on disk ({needed} bytes = {tokens} tokens from the "
+            f"{basis} x {per_token} bytes/token)\nshards already there: {human_bytes(shard_bytes_on_disk(folder))}\n"
+            f"free space on its filesystem: {human_bytes(free_bytes(folder))}")
 
 
 def require_free_space(folder: Path, needed: int) -> None:
     """Refuse to start a capture the disk cannot hold, before any expensive work."""
     missing, free = needed - shard_bytes_on_disk(folder), free_bytes(folder)
     if missing > free:
-        raise UserError(f"dataset {Path(folder).absolute()} needs about {gib(needed)} ({needed} bytes; `data/build.py --dry-run` shows "
-                        f"the estimate) but its filesystem has {gib(free)} ({free} bytes) free; free space, point "
-                        "data.dataset_dir at a larger disk, or lower data.prompts.max_prompts or data.max_seq_len")
+        raise UserError(f"dataset {Path(folder).absolute()} needs about {human_bytes(needed)} ({needed} bytes; "
+                        f"`data/build.py --dry-run` shows the estimate) but its filesystem has {human_bytes(free)} "
+                        f"({free} bytes) free; free space, point data.dataset_dir at a larger disk, or lower "
+                        "data.prompts.max_prompts or data.max_seq_len")
 
 
 class DiskFullError(UserError):

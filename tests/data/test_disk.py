@@ -51,7 +51,7 @@ def test_dry_run_with_regeneration_counts_each_prompt_plus_max_new_tokens(build_
 def test_a_build_the_disk_cannot_hold_is_refused_before_capture(build_config, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(total=10**12, used=10**12, free=1000))
-    with pytest.raises(UserError, match=rf"dataset {re.escape(str(tmp_path))}/run/dataset needs about .* bytes.* has 0.00 GiB \(1000 bytes\) free"):
+    with pytest.raises(UserError, match=rf"dataset {re.escape(str(tmp_path))}/run/dataset needs about .* bytes.* has 1.0 KiB \(1000 bytes\) free"):
         main(["--config", build_config(tmp_path)])
     assert not (tmp_path / "run").exists()
 
