@@ -148,6 +148,9 @@ def plot_tpot(r: dict, path: Path) -> None:
         ax.plot(xs, ys, marker="o", linewidth=2.5 if name == "none" else 1.2, label=name,
                 color="black" if name == "none" else None)
     ax.set_xscale("log", base=2)
+    ticks = sorted({c["concurrency"] for c in r["sweep"]["cells"]})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
     ax.set(xlabel="concurrent requests", ylabel="mean TPOT (ms)", title="TPOT with and without speculation")
     sat = (r.get("verdict") or {}).get("saturation_concurrency")
     if sat is not None:
