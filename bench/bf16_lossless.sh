@@ -16,7 +16,7 @@ cache = speculators_side.bench_cache(); cache.mkdir(parents=True, exist_ok=True)
 print(vs_speculators.human_eval_prompts(cache))")
 $PY export/validate.py --config smollm2-demo "output_dir=$OUT" target.dtype=bfloat16 \
   "export.num_validation_prompts=$N" export.ngram_baseline=false export.sweep_min_requests=4 \
-  --drafter "$RUN/drafter" --prompts "$PROMPTS" --num-speculative-tokens 3,5 --concurrency 1,16
+  --drafter "$RUN/drafter" --prompts "$PROMPTS" --num-speculative-tokens 3 --concurrency 16
 $PY - "$OUT/validation.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
