@@ -15,7 +15,7 @@ import speculators_side, vs_speculators
 cache = speculators_side.bench_cache(); cache.mkdir(parents=True, exist_ok=True)
 print(vs_speculators.human_eval_prompts(cache))")
 $PY export/validate.py --config smollm2-demo "output_dir=$OUT" target.dtype=bfloat16 \
-  "export.num_validation_prompts=$N" export.ngram_baseline=false export.sweep_min_requests=4 \
+  "export.num_validation_prompts=$N" export.ngram_baseline=false export.sweep_min_requests=4 export.serve_baseline_twice=false \
   --drafter "$RUN/drafter" --prompts "$PROMPTS" --num-speculative-tokens 3 --concurrency 16
 $PY - "$OUT/validation.json" <<'PY'
 import json, sys

@@ -291,6 +291,9 @@ class ExportConfig:
     greedy lossless pass sends every prompt at the largest."""
     sweep_min_requests: int = 8
     """Requests per sweep cell: max(concurrency, this), cycling through the prompts."""
+    serve_baseline_twice: bool = True
+    """Serve the target alone again after every other server: the verdict compares against the mean of both and
+    warns when they differ by over 10 % (the machine's speed drifted during the run)."""
     near_tie_logit_gap: float = 1.5
     """bf16/fp16 serving: a first divergence whose two tokens both lie within this many fp32 logits of the target's
     top token is a near-tie of numerics, not a bug (export/lossless.py). bench/bf16_logit_error.py measured bf16

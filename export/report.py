@@ -21,6 +21,8 @@ def _methods_table(r: dict) -> list[str]:
         "output_tokens_per_s": r["output_tokens_per_s"]["with_drafter"],
         "lossless": r["lossless_by_method"]["drafter"]}]
     named = [(r["method"], e) for e in entries] + ([("ngram", r["ngram"])] if r["ngram"] else [])
+    if r.get("compare"):
+        named += [(f"{r['compare']['method']} (--compare)", e) for e in r["compare"]["entries"]]
     rows += [(name, e["num_speculative_tokens"], e["acceptance_length"], e["tokens_per_target_step"],
               e["output_tokens_per_s"], e["step_time_ms"], e["lossless"]) for name, e in named]
     return ["| method | K | acceptance length | tokens / target step | output tokens/s | step ms | lossless |",
@@ -33,6 +35,9 @@ def _positions_table(r: dict) -> list[str]:
     k = r["num_speculative_tokens"]
     series = [(r["method"], r["acceptance_rate_per_position"])]
     series += [("ngram", r["ngram"]["acceptance_rate_per_position"])] if r["ngram"] else []
+    if r.get("compare"):  # its largest K, the same K as the others
+        top = r["compare"]["entries"][-1]
+        series.append((f"{r['compare']['method']} (--compare)", top["acceptance_rate_per_position"]))
     return ["| position | " + " | ".join(map(str, range(k))) + " |", "|---" * (k + 1) + "|"] + [
         f"| {name} | " + " | ".join(_fmt(x) for x in rates) + " |" for name, rates in series]
 
@@ -60,6 +65,13 @@ def verdict_table(decision: dict, method: str) -> list[str]:
         out.append(f"| {v['concurrency']} | {v['best_k']} | {_fmt(v['tpot_ms_without'], '.1f')} | "
                    f"{_fmt(v['tpot_ms_with'], '.1f')} | {100 * v['tpot_gain']:+.0f}% | {tar} | "
                    f"{'yes' if v['use'] else 'no'} |")
+    if decision.get("baseline_drift"):
+        drift = ", ".join(f"{c}: {100 * d:.0f}%" for c, d in decision["baseline_drift"].items())
+        out += ["", f"TPOT without = the mean of the target alone served before and after the other servers; they "
+                    f"differed by {drift} (by concurrency)."]
+        if decision["drift_warning"]:
+            out += ["", "**Warning: the machine's speed drifted during the run** by as much as the gain asked for: "
+                        "rerun on a quiet machine before trusting the verdict."]
     sat = decision["saturation_concurrency"]
     out += ["", f"Saturation point: {sat if sat is not None else 'not reached'} (the lowest concurrency where no K "
                 f"cuts TPOT by {100 * decision['min_tpot_gain']:.0f}%). Routing rule: {decision['routing_rule']}."]
@@ -139,14 +151,15 @@ def plot_tpot(r: dict, path: Path) -> None:
 
     series: dict[str, list[tuple[int, float]]] = {}
     for c in r["sweep"]["cells"]:
-        name = c["method"] if c["role"] == "none" else f"{c['method']} K={c['num_speculative_tokens']}"
+        name = c["method"] if c["role"] in ("none", "none-again") else f"{c['method']} K={c['num_speculative_tokens']}"
         name += " (--compare)" if c["role"] == "compare" else ""  # two drafters of one method stay apart
         series.setdefault(name, []).append((c["concurrency"], c["tpot_ms"]["mean"]))
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for name, points in sorted(series.items(), key=lambda kv: (kv[0] != "none", kv[0])):
+    for name, points in sorted(series.items(), key=lambda kv: (not kv[0].startswith("none"), kv[0])):
         xs, ys = zip(*sorted(points))
-        ax.plot(xs, ys, marker="o", linewidth=2.5 if name == "none" else 1.2, label=name,
-                color="black" if name == "none" else None)
+        reference = name.startswith("none")
+        ax.plot(xs, ys, marker="o", linewidth=2.5 if reference else 1.2, label=name,
+                color=("black" if name == "none" else "grey") if reference else None)
     ax.set_xscale("log", base=2)
     ticks = sorted({c["concurrency"] for c in r["sweep"]["cells"]})
     ax.set_xticks(ticks, [str(t) for t in ticks])

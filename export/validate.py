@@ -128,6 +128,8 @@ def serve_all(cfg, target: str, drafters: dict[str, tuple[Path, bool]], prompts:
     if cfg.export.ngram_baseline:
         plan.append((f"ngram-k{ks[0]}", serve.ngram_spec_config(ks[0])))
     e = cfg.export
+    if e.serve_baseline_twice:
+        plan.append(("none-again", None))  # the machine's drift over the run (export/verdict.py)
     return {label: serve.measure_served_run(
         target, label, spec, prompts, max_tokens=e.max_tokens, concurrency=max(e.concurrency),
         log_dir=cfg.paths.server_logs, dtype=cfg.target.dtype, start_timeout_s=e.server_start_timeout_s,
@@ -215,7 +217,7 @@ def build_report(cfg, runs: dict[str, ServedRun], drafter: dict, drafter_dir: Pa
                                                                   e["step_time_ms"] / 1e3) for e in entries])
     best_k, speed = acceptance.recommend_k(top["acceptance_rate_per_position"], c0, c_draft)
     acceptance_by_k = {str(k): v for k, v in acceptance.acceptance_length_by_k(top["acceptance_rate_per_position"]).items()}
-    methods = {"drafter": drafter["method"], "none": "none", "ngram": "ngram"}
+    methods = {"drafter": drafter["method"], "none": "none", "ngram": "ngram", "none-again": "none (again, last)"}
     if compare:
         methods["compare"] = compare["method"]
     cells = sweep_cells(runs, methods)

@@ -7,6 +7,9 @@ MIN_TPOT_GAIN = 0.10
 """A K is worth turning on where it cuts mean TPOT by at least this share against no speculation."""
 MIN_TOKEN_ACCEPTANCE_RATE = 0.30
 """Below this TAR (accepted / proposed draft tokens) the drafter mostly burns verify compute."""
+MAX_BASELINE_DRIFT = 0.10
+"""The target alone is served again after every other server; where its TPOT moved by more than this share, the
+machine's speed drifted during the run by as much as the gain the verdict asks for: the verdict says so."""
 
 
 def tpot_gain(tpot_ms: float, baseline_tpot_ms: float) -> float:
@@ -21,7 +24,12 @@ def cells_of(cells: list[dict], role: str) -> dict[tuple[int, int], dict]:
 
 def decide(cells: list[dict], role: str = "drafter") -> dict:
     """Best K per concurrency, saturation point and routing rule for the drafter of `role`."""
-    baseline = {c: cell["tpot_ms"]["mean"] for (c, _), cell in cells_of(cells, "none").items()}
+    first = {c: cell["tpot_ms"]["mean"] for (c, _), cell in cells_of(cells, "none").items()}
+    again = {c: cell["tpot_ms"]["mean"] for (c, _), cell in cells_of(cells, "none-again").items()}
+    # the mean of the target alone before and after the drafters' servers: a drift in the machine's speed cancels
+    # to first order, and its size is reported
+    baseline = {c: (t + again[c]) / 2 if c in again else t for c, t in first.items()}
+    drift = {c: abs(t - again[c]) / baseline[c] for c, t in first.items() if c in again and baseline[c] > 0}
     mine = cells_of(cells, role)
     rows = []
     for c in sorted(baseline):
@@ -39,9 +47,12 @@ def decide(cells: list[dict], role: str = "drafter") -> dict:
                      "tpot_gain_by_k": {str(k): gains[k] for k in sorted(gains)}})
     off = [r["concurrency"] for r in rows if not r["use"]]
     saturation = min(off) if off else None
+    worst = max(drift.values(), default=None)
     return {"role": role, "min_tpot_gain": MIN_TPOT_GAIN, "min_token_acceptance_rate": MIN_TOKEN_ACCEPTANCE_RATE,
             "by_concurrency": rows, "saturation_concurrency": saturation,
-            "routing_rule": routing_rule(rows, saturation)}
+            "routing_rule": routing_rule(rows, saturation),
+            "baseline_drift": {str(c): d for c, d in sorted(drift.items())} or None,
+            "drift_warning": worst is not None and worst > MAX_BASELINE_DRIFT}
 
 
 def routing_rule(rows: list[dict], saturation: int | None) -> str:
@@ -82,4 +93,8 @@ def verdict_line(decision: dict, method: str) -> str:
             what += f", TAR {r['token_acceptance_rate']:.2f} < {MIN_TOKEN_ACCEPTANCE_RATE:.2f}"
         parts.append(f"c={r['concurrency']}: {what}")
     verdict = "use" if any(r["use"] for r in decision["by_concurrency"]) else "do not use for this traffic"
-    return f"verdict ({method}): {verdict}; " + "; ".join(parts) + f"; routing: {decision['routing_rule']}"
+    line = f"verdict ({method}): {verdict}; " + "; ".join(parts) + f"; routing: {decision['routing_rule']}"
+    if decision.get("drift_warning"):
+        line += (f"; UNSTABLE MACHINE: the target alone's TPOT moved up to "
+                 f"{100 * max(decision['baseline_drift'].values()):.0f}% during the run")
+    return line

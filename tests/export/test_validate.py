@@ -245,7 +245,7 @@ def test_serves_random_drafter_losslessly(tmp_path, target_dir, server_marker, c
     cells = report["sweep"]["cells"]
     assert sorted((c["role"], c["num_speculative_tokens"], c["concurrency"]) for c in cells) == [
         ("compare", 3, 1), ("compare", 3, 2), ("drafter", 3, 1), ("drafter", 3, 2), ("ngram", 3, 1),
-        ("ngram", 3, 2), ("none", 0, 1), ("none", 0, 2)]
+        ("ngram", 3, 2), ("none", 0, 1), ("none", 0, 2), ("none-again", 0, 1), ("none-again", 0, 2)]
     for c in cells:
         assert c["num_requests"] == 2 and 0 < c["output_tokens"] <= 2 * 16
         assert 0 < c["tpot_ms"]["p50"] <= c["tpot_ms"]["p90"] and c["tpot_ms"]["mean"] > 0
@@ -258,6 +258,14 @@ def test_serves_random_drafter_losslessly(tmp_path, target_dir, server_marker, c
     assert not any(r["use"] for r in decision["by_concurrency"]) and decision["saturation_concurrency"] == 1
     assert all(r["tar_warning"] for r in decision["by_concurrency"])
     assert decision["routing_rule"].startswith("do not speculate")
+    # the target alone was served first and last: the verdict's baseline is their mean, the drift reported
+    again = {c["concurrency"]: c["tpot_ms"]["mean"] for c in cells if c["role"] == "none-again"}
+    first = {c["concurrency"]: c["tpot_ms"]["mean"] for c in cells if c["role"] == "none"}
+    for row in decision["by_concurrency"]:
+        c = row["concurrency"]
+        assert row["tpot_ms_without"] == pytest.approx((first[c] + again[c]) / 2)
+        assert decision["baseline_drift"][str(c)] == pytest.approx(abs(first[c] - again[c]) / row["tpot_ms_without"])
+    assert report["lossless_checks"]["none-again"]["identical"] == 3  # the target alone is deterministic in fp32
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].startswith("verdict (eagle3): do not use for this traffic; c=1: off"), out[-1]
     # --compare: the P-EAGLE drafter on the same prompts and cells, lossless too, one winner per (c, K)
@@ -272,8 +280,8 @@ def test_serves_random_drafter_losslessly(tmp_path, target_dir, server_marker, c
     for plot in ("validation-acceptance.png", "validation-tpot.png"):
         assert (run_dir / plot).read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
-        "bench-compare-k3.txt", "bench-drafter-k3.txt", "bench-ngram-k3.txt", "bench-none.txt", "vllm-compare-k3.log",
-        "vllm-drafter-k3.log", "vllm-ngram-k3.log", "vllm-none.log"]
+        "bench-compare-k3.txt", "bench-drafter-k3.txt", "bench-ngram-k3.txt", "bench-none-again.txt", "bench-none.txt",
+        "vllm-compare-k3.log", "vllm-drafter-k3.log", "vllm-ngram-k3.log", "vllm-none-again.log", "vllm-none.log"]
     assert processes_with_marker(server_marker) == []
 
 
@@ -290,7 +298,7 @@ def test_bf16_lossless_check_catches_a_forced_token(tmp_path, target_dir, server
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:2]))
     cfg = _write_yaml(tmp_path, tmp_path / "run", "  max_tokens: 8\n  ngram_baseline: false\n  concurrency: 2\n"
-                      "  sweep_min_requests: 2\n", dtype="bfloat16")
+                      "  sweep_min_requests: 2\n  serve_baseline_twice: false\n", dtype="bfloat16")
     with pytest.raises(SystemExit) as e:
         run_entry(validate.main, ["--config", str(cfg), "--drafter", str(drafter), "--target", str(target_dir),
                                   "--prompts", str(prompts)])

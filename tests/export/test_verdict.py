@@ -67,3 +67,16 @@ def test_head_to_head():
     assert [(x["concurrency"], x["num_speculative_tokens"], x["winner"]) for x in h] == [(1, 3, "compare"),
                                                                                        (4, 3, "drafter")]
     assert verdict.decide(_cells(compare=compare), "compare")["by_concurrency"][0]["best_k"] == 3
+
+
+def test_the_baseline_is_the_mean_of_both_measurements_and_drift_is_flagged():
+    again = [_cell("none-again", 0, c, t * 1.3) for c, t in BASE.items()]  # the machine slowed by 30 %
+    d = verdict.decide(_cells() + again)
+    row = d["by_concurrency"][1]  # c=4: baseline (25 + 32.5) / 2 = 28.75; K=3 at 20 ms gains 1 - 20 / 28.75
+    assert row["tpot_ms_without"] == pytest.approx(28.75) and row["tpot_gain"] == pytest.approx(1 - 20 / 28.75)
+    assert d["baseline_drift"]["4"] == pytest.approx(7.5 / 28.75) and d["drift_warning"]
+    assert "UNSTABLE MACHINE: the target alone's TPOT moved up to 26% during the run" in verdict.verdict_line(d, "x")
+    steady = [_cell("none-again", 0, c, t * 1.05) for c, t in BASE.items()]
+    d = verdict.decide(_cells() + steady)
+    assert not d["drift_warning"] and "UNSTABLE" not in verdict.verdict_line(d, "x")
+    assert verdict.decide(_cells())["baseline_drift"] is None  # served once: nothing to compare

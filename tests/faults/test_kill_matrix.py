@@ -176,7 +176,8 @@ def test_validation_killed_while_serving_leaves_no_process_or_port_after_the_rer
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     config = str(_write_yaml(tmp_path, run_dir, "  num_validation_prompts: 3\n  max_tokens: 16\n  concurrency: 2\n"
-                                                "  sweep_min_requests: 2\n  ngram_baseline: false\n"))
+                                                "  sweep_min_requests: 2\n  ngram_baseline: false\n"
+                                                "  serve_baseline_twice: false\n"))
     cmd = command("export/validate.py", config, "--drafter", str(drafter), "--prompts", str(prompts))
     marker = f"kill-matrix-{uuid.uuid4().hex}"
     env = {**os.environ, "DRAFTSMITH_TEST_MARKER": marker, "PYTHONUNBUFFERED": "1"}

@@ -44,6 +44,7 @@ SIZES = (
     "train.log_every=1", "train.eval_every=3", "train.save_every=3", "train.eval_max_samples=4",
     "export.num_speculative_tokens=[3]", "export.num_validation_prompts=3", "export.max_tokens=24",
     "export.concurrency=3", "export.sweep_min_requests=3", "export.ngram_baseline=false",
+    "export.serve_baseline_twice=false",
 )
 
 
