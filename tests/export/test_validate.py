@@ -249,7 +249,7 @@ def test_serves_random_drafter_losslessly(tmp_path, target_dir, server_marker, c
     for c in cells:
         assert c["num_requests"] == 2 and 0 < c["output_tokens"] <= 2 * 16
         assert 0 < c["tpot_ms"]["p50"] <= c["tpot_ms"]["p90"] and c["tpot_ms"]["mean"] > 0
-        assert (c["token_acceptance_rate"] is None) == (c["role"] == "none")
+        assert (c["token_acceptance_rate"] is None) == c["role"].startswith("none")
     # same greedy outputs, so the same tokens, in every cell of a concurrency
     assert len({c["output_tokens"] for c in cells if c["concurrency"] == 1}) == 1
     # a random drafter's proposals are rejected: the verdict says off, warns on TAR, and the rule says so
