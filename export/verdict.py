@@ -26,8 +26,8 @@ def decide(cells: list[dict], role: str = "drafter") -> dict:
     """Best K per concurrency, saturation point and routing rule for the drafter of `role`."""
     first = {c: cell["tpot_ms"]["mean"] for (c, _), cell in cells_of(cells, "none").items()}
     again = {c: cell["tpot_ms"]["mean"] for (c, _), cell in cells_of(cells, "none-again").items()}
-    # the mean of the target alone before and after the drafters' servers: a drift in the machine's speed cancels
-    # to first order, and its size is reported
+    # the target alone is measured right after the drafters and again at the very end: their mean is the baseline,
+    # their gap the machine's drift, reported (a detector, not a bracket: the drafters ran before both)
     baseline = {c: (t + again[c]) / 2 if c in again else t for c, t in first.items()}
     drift = {c: abs(t - again[c]) / baseline[c] for c, t in first.items() if c in again and baseline[c] > 0}
     mine = cells_of(cells, role)
