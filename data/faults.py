@@ -11,6 +11,8 @@ import json
 import os
 import signal
 
+from draftsmith.data.errors import UserError
+
 POINTS = ("shard_write", "shard_sidecar", "before_manifest", "regenerate_batch", "checkpoint_write", "bundle_swap",
           "export_write")
 _reached: dict[str, int] = {}
@@ -37,4 +39,11 @@ def injected_request_fields(server_label: str) -> dict:
     if not wanted:
         return {}
     prefix, _, fields = wanted.partition(":")
-    return json.loads(fields) if server_label.startswith(prefix) else {}
+    try:
+        injected = json.loads(fields)
+    except json.JSONDecodeError:
+        injected = None
+    if not isinstance(injected, dict):
+        raise UserError(f"DRAFTSMITH_FAULT_REQUEST_FIELDS={wanted!r}: after '<label prefix>:' comes a JSON object, "
+                        f'e.g. drafter:{{"allowed_token_ids": [42]}}; unset the variable to serve normally')
+    return injected if server_label.startswith(prefix) else {}

@@ -56,20 +56,16 @@ def parse_args(argv):
     p.add_argument("--drafter", help="exported drafter folder (default: <run_dir>/drafter)")
     p.add_argument("--target", help="target folder or Hub id (default: the config's target.name_or_path)")
     p.add_argument("--prompts", help="JSONL of {messages}, {conversations} or {prompt} (default: held-out prompts)")
-    p.add_argument("--num-speculative-tokens", type=int_list, nargs="+",
+    p.add_argument("--num-speculative-tokens", type=int_list,
                    help="K values to serve, e.g. 3,5,7 (default: export.num_speculative_tokens)")
-    p.add_argument("--concurrency", type=int_list, nargs="+",
+    p.add_argument("--concurrency", type=int_list,
                    help="requests in flight per sweep cell, e.g. 1,4,16,64 (default: export.concurrency)")
     p.add_argument("--compare", help="another exported drafter (e.g. P-EAGLE beside EAGLE-3) served on the same "
                                      "prompts and sweep")
     cfg, args = parse_run_args(p, argv)
-    export = cfg.export
-    if args.num_speculative_tokens:
-        export = dataclasses.replace(export, num_speculative_tokens=tuple(sum(args.num_speculative_tokens, [])))
-    if args.concurrency:
-        export = dataclasses.replace(export, concurrency=tuple(sum(args.concurrency, [])))
-    try:  # the flags pass the config's own range checks
-        export = dataclasses.replace(export)
+    flags = {"num_speculative_tokens": args.num_speculative_tokens, "concurrency": args.concurrency}
+    try:  # dataclasses.replace re-runs the config's own range checks on the flags' values
+        export = dataclasses.replace(cfg.export, **{k: tuple(v) for k, v in flags.items() if v})
     except ValueError as e:
         raise UserError(f"{e} (from the command line)") from None
     return dataclasses.replace(cfg, export=export), args
@@ -313,7 +309,7 @@ def run_validation(argv) -> None:
         plot_tpot(report, paths.validation_tpot_plot)
     print_summary(report, paths.validation_md)
     # n-gram is vLLM's own method: its divergences are reported, the drafters' fail the run
-    real = {label: c["real"] for label, c in lossless.items() if c["real"] and not label.startswith("ngram")}
+    real = {label: c["real"] for label, c in lossless.items() if c["real"] and split_label(label)[0] != "ngram"}
     if real:
         raise UserError(f"validation failed: outputs with the drafter really differ from the target alone "
                         f"({', '.join(f'{label}: {n} prompt(s)' for label, n in real.items())}; "

@@ -148,6 +148,32 @@ def test_aux_ids_beyond_target_layers_are_refused(tmp_path):
         validate.check_drafter_fits_target(drafter, str(target))
 
 
+def test_sweep_flags_take_comma_lists_and_pass_the_config_range_checks(tmp_path, capsys):
+    cfg_path = _write_yaml(tmp_path, tmp_path / "run", "  concurrency: 8\n")
+    cfg, _ = validate.parse_args(["--config", str(cfg_path), "--concurrency", "1,4", "--num-speculative-tokens", "5"])
+    assert cfg.export.concurrency == (1, 4) and cfg.export.num_speculative_tokens == (5,)
+    cfg, _ = validate.parse_args(["--config", str(cfg_path)])
+    assert cfg.export.concurrency == (8,)  # no flag: the config's value (a scalar is one cell)
+    with pytest.raises(ValueError, match=r"concurrency.*\(from the command line\)"):
+        validate.parse_args(["--config", str(cfg_path), "--concurrency", "1,0"])
+    with pytest.raises(SystemExit):
+        validate.parse_args(["--config", str(cfg_path), "--concurrency", "1,many"])
+    assert "'1,many' is not a comma-separated list of integers" in capsys.readouterr().err
+
+
+def test_injected_request_fields_apply_by_label_prefix_and_refuse_a_malformed_value(monkeypatch):
+    from draftsmith.data.faults import injected_request_fields
+
+    assert injected_request_fields("drafter-k3") == {}
+    monkeypatch.setenv("DRAFTSMITH_FAULT_REQUEST_FIELDS", 'drafter:{"allowed_token_ids": [7]}')
+    assert injected_request_fields("drafter-k3") == {"allowed_token_ids": [7]}
+    assert injected_request_fields("none") == {}
+    for bad in ('drafter:{"allowed_token_ids": [7]', "drafter:[7]", "drafter"):
+        monkeypatch.setenv("DRAFTSMITH_FAULT_REQUEST_FIELDS", bad)
+        with pytest.raises(ValueError, match="comes a JSON object"):
+            injected_request_fields("drafter-k3")
+
+
 def test_server_env_leaves_the_hub_setting_to_the_caller(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     assert "HF_HUB_OFFLINE" not in server.server_env()
