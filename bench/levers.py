@@ -33,6 +33,18 @@ VARIANTS = {
     "head from target": ["train.lm_head_init=target"],
     "frozen target head": ["train.lm_head_init=target", "train.freeze_lm_head=true"],
 }
+# speculators' own recipe on our trainer (results-vs-speculators-recipes-cpu.txt, "B"), then B less one part or plus
+# one lever: which parts of B carry its served gain, and what goes beyond it
+SPECULATORS_NORMS = VARIANTS["speculators norms"]
+SPECULATORS_RECIPE = ["train.optimizer=muon", *SPECULATORS_NORMS, "ttt.step_weight=1.0", "train.lm_head_init=target",
+                      "train.freeze_lm_head=true", "train.min_lr_ratio=0.0"]
+VARIANTS |= {
+    "speculators recipe": SPECULATORS_RECIPE,
+    "recipe - muon": [o for o in SPECULATORS_RECIPE if o != "train.optimizer=muon"],
+    "recipe - norms": [o for o in SPECULATORS_RECIPE if o not in SPECULATORS_NORMS],
+    "recipe - frozen head": [o for o in SPECULATORS_RECIPE if not o.startswith("train.freeze_lm_head")],
+    "recipe + ttt 5": [*SPECULATORS_RECIPE, "ttt.num_steps=5"],
+}
 
 
 def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: str, extra: list[str]) -> dict:

@@ -231,6 +231,9 @@ class TrainConfig:
     """Tokens packed per micro-batch."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
+    row_length_multiple: int = 1
+    """Packed rows are padded up to a multiple of this many tokens (at most batch_tokens; 1 = no padding): a few
+    row shapes repeat, so per-shape kernels and allocator blocks are reused (bench/precision_memory.sh)."""
     hidden_noise_std: float = 0.0
     """Std of uniform-equivalent noise added to aux hidden states (0 = off)."""
     seed: int = 0
@@ -268,9 +271,10 @@ class TrainConfig:
         if unknown:
             raise ConfigError(f"train.report_to: {unknown} are not trackers Draftsmith logs to (valid: {TRACKERS})")
         check_ranges("train", self, max_steps=(1, None), batch_tokens=(1, MAX_TOKENS), grad_accum=(1, None),
-                     muon_lr=(0, None), muon_weight_decay=(0, None), weight_decay=(0, None),
-                     hidden_noise_std=(0, None), grad_clip=(0, None), warmup_steps=(0, None), min_lr_ratio=(0, 1),
-                     betas=(0, 0.999999), log_every=(1, None), eval_every=(1, None), save_every=(1, None), eval_max_samples=(0, None),
+                     row_length_multiple=(1, MAX_TOKENS), muon_lr=(0, None), muon_weight_decay=(0, None),
+                     weight_decay=(0, None), hidden_noise_std=(0, None), grad_clip=(0, None), warmup_steps=(0, None),
+                     min_lr_ratio=(0, 1), betas=(0, 0.999999), log_every=(1, None), eval_every=(1, None),
+                     save_every=(1, None), eval_max_samples=(0, None),
                      seed=(0, None))
 
 

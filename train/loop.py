@@ -146,7 +146,8 @@ class Trainer:
         """Every process plans the same W rows (lengths only) and reads and packs just its own."""
         plans = [plan_next_row(self.train_ds, self.pos, self.cfg.train.seed, self.cfg.train.batch_tokens)
                  for _ in range(self.world)]
-        return row_to_device(pack_planned_row(self.train_ds, plans[self.rank], self.cfg.train.batch_tokens),
+        t = self.cfg.train
+        return row_to_device(pack_planned_row(self.train_ds, plans[self.rank], t.batch_tokens, t.row_length_multiple),
                              self.acc.device)
 
     def train_step(self) -> tuple[float, dict, int]:
@@ -162,7 +163,7 @@ class Trainer:
             loss = loss.detach().double()
             local["nonfinite"] += float(not torch.isfinite(loss))
             local["loss"] += loss
-            local["tokens"] += row["input_ids"].numel()
+            local["tokens"] += int((row["document_ids"] >= 0).sum())  # trained tokens: the padding is not
             local["correct"] += metrics["correct"]
             local["count"] += metrics["count"]
         totals = self.reduce_step_metrics(local)
@@ -194,7 +195,8 @@ class Trainer:
 
     def local_eval_row(self, index: int) -> dict:
         if index not in self.eval_rows:
-            row = pack_planned_row(self.heldout_ds, self.eval_plans[index], self.cfg.train.batch_tokens)
+            row = pack_planned_row(self.heldout_ds, self.eval_plans[index], self.cfg.train.batch_tokens,
+                                   self.cfg.train.row_length_multiple)
             self.eval_rows[index] = row_to_device(row, self.acc.device)
         return self.eval_rows[index]
 

@@ -32,10 +32,17 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> tuple[int, ...]:
     return tuple(torch.randperm(num_samples, generator=g).tolist())
 
 
-def pack_row(samples: list[dict], row_tokens: int) -> dict[str, torch.Tensor]:
-    """Concatenate samples into one row [1, <= row_tokens] (no trailing padding is kept: the CPU pays for
-    every position); document ids separate the samples."""
-    row_tokens = min(row_tokens, sum(len(s["input_ids"]) for s in samples))
+def padded_length(num_tokens: int, row_tokens: int, multiple: int) -> int:
+    """num_tokens rounded up to a multiple of `multiple`, at most row_tokens: rows come in a few lengths only, so
+    kernels compiled per shape (oneDNN's matmul primitives on CPUs, torch.compile on GPUs) and the allocator's
+    blocks are reused instead of growing with every new row length."""
+    return min(row_tokens, -(-num_tokens // multiple) * multiple)
+
+
+def pack_row(samples: list[dict], row_tokens: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Concatenate samples into one row [1, <= row_tokens], padded only up to a multiple of `multiple` (the CPU
+    pays for every position); document ids separate the samples, -1 marks the padding (never scored)."""
+    row_tokens = padded_length(min(row_tokens, sum(len(s["input_ids"]) for s in samples)), row_tokens, multiple)
     n_aux_h = samples[0]["aux_hidden_states"].shape[-1]
     h = samples[0]["final_hidden_states"].shape[-1]
     dtype = samples[0]["aux_hidden_states"].dtype
@@ -101,9 +108,9 @@ def row_noise(like: torch.Tensor, seed: int, stream: int = 0) -> torch.Tensor:
     return torch.randn(like.shape, generator=g, dtype=torch.float32).to(like.device, like.dtype)
 
 
-def pack_planned_row(ds: ShardedDataset, plan: RowPlan, row_tokens: int) -> dict:
+def pack_planned_row(ds: ShardedDataset, plan: RowPlan, row_tokens: int, multiple: int = 1) -> dict:
     """Read the plan's samples and pack them; "row_seed" (a Python int) rides along with the tensors."""
-    return {**pack_row(ds.read_samples(plan.samples), row_tokens), "row_seed": plan.seed}
+    return {**pack_row(ds.read_samples(plan.samples), row_tokens, multiple), "row_seed": plan.seed}
 
 
 def plan_eval_rows(ds: ShardedDataset, max_samples: int, row_tokens: int) -> list[RowPlan]:
