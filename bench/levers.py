@@ -1,11 +1,13 @@
 """Quality levers of the EAGLE-3 recipe at equal data and budget (issue #12, item 3), scored on held-out data.
 
-Usage: .venv/bin/python bench/levers.py [--budget 120000] [--only base muon ...]
+Usage: .venv/bin/python bench/levers.py [--budget 120000] [--only base muon ...] [--serve]
 Every variant trains the anchor recipe of bench/vs_speculators.py (1 layer, 3 TTT steps, draft vocab 32000,
 2048-token rows, lr 2e-3, 8 warm-up steps, SmolLM2 target) on the same dataset (the first anchor conversations
 for the budget, built once by data/build.py) for the same number of steps, changing one thing; the figure is the
 held-out simulated acceptance length at K=3 from the trainer's final evaluation on the whole held-out split (the
-training-family conversations; the served comparison on another family is bench/vs_speculators.py's job).
+training-family conversations). With --serve, each variant is also exported and served by vLLM at K=3 on
+bench/vs_speculators.py's held-out prompts of another family (HumanEval), beside the target alone, as that bench
+serves: the served acceptance length per variant, side by side in one run.
 """
 import argparse
 import json
@@ -56,7 +58,23 @@ def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: s
     result = json.loads(paths.eval_heldout.read_text())
     rate = vs_speculators.training_rate(paths.metrics)
     return {"name": name, "overrides": extra, "seconds": seconds, "tokens_per_s": rate["tokens_per_s"],
-            "final_loss": rate["losses"][-1], "eval": result}
+            "final_loss": rate["losses"][-1], "eval": result, "run_dir": str(run), "config_overrides": overrides}
+
+
+def serve_variants(results: list[dict], out: Path) -> dict:
+    """Export every variant and serve them all at K=3 beside the target alone, on the same HumanEval prompts."""
+    from draftsmith.data.target import resolve_target_path
+
+    drafters = {}
+    for r in results:
+        drafter = RunPaths.at(Path(r["run_dir"])).drafter
+        vs_speculators.run_stage("export/speculators.py", r["config_overrides"], Path(r["run_dir"]) / "export.log",
+                                 ["--out", str(drafter)])
+        drafters[r["name"]] = drafter
+    budget = vs_speculators.BUDGETS["full"]
+    return vs_speculators.serve_side_by_side(str(resolve_target_path("smollm2")), drafters,
+                                             vs_speculators.human_eval_prompts(vs_speculators.work_dir()),
+                                             budget[1], budget[2], out / "levers-serve-logs")
 
 
 def main(argv=None) -> None:
@@ -65,6 +83,8 @@ def main(argv=None) -> None:
     p.add_argument("--only", nargs="+", choices=sorted(VARIANTS), help="variants to run (default all)")
     p.add_argument("--combine", nargs="+", default=[], help="also run these variants' overrides together")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--serve", action="store_true", help="also export and serve every variant at K=3 (vLLM, "
+                                                        "164 HumanEval prompts x 128 tokens, beside the target alone)")
     a = p.parse_args(argv)
     rows = speculators_side.read_anchor_conversations()
     rows = rows[: speculators_side.num_conversations_for(a.budget, rows)]
@@ -95,6 +115,16 @@ def main(argv=None) -> None:
         print("relative to base: " + ", ".join(
             f"{r['name']} {r['eval']['simulated_acceptance_length']['3'] / b:.3f}x" for r in results))
     (out / f"levers-{a.budget}.json").write_text(json.dumps(results, indent=1))
+    if a.serve:
+        served = serve_variants(results, out)
+        for r in results:
+            s = served[r["name"]]
+            print(f"  {r['name']:28} served AL K=3 {s['acceptance_length']:.3f}  per position "
+                  f"{' / '.join(f'{x:.3f}' for x in s['per_position'])}  lossless {s['lossless']}  "
+                  f"{s['output_tokens_per_s']:.1f} output tokens/s", flush=True)
+        print(f"  (target alone {served['none']['output_tokens_per_s']:.1f} output tokens/s; {served['num_prompts']} "
+              f"HumanEval prompts x {served['max_tokens']} tokens, greedy, fp32)")
+        (out / f"levers-{a.budget}-served.json").write_text(json.dumps(served, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,12 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DS=${1:-$HOME/.cache/draftsmith/bench/vs-speculators/draftsmith-first2000/dataset}
 OUT=$(mktemp -d)
-run() {  # name, precision, extra env
+run() {  # name, precision, extra env, extra overrides
   env $3 .venv/bin/python train/eagle3.py --config smollm2-demo output_dir="$OUT/$1" data.dataset_dir="$DS" \
     data.draft_vocab_size=32000 data.max_seq_len=2048 ttt.num_steps=3 train.lr=2e-3 train.warmup_steps=8 \
     train.batch_tokens=2048 train.max_steps=60 train.log_every=10 train.eval_every=100000 train.save_every=100000 \
-    train.eval_max_samples=1 train.precision="$2" > "$OUT/$1.log" 2>&1
-  echo "== $1 (train.precision=$2 $3)"
+    train.eval_max_samples=1 train.precision="$2" $4 > "$OUT/$1.log" 2>&1
+  echo "== $1 (train.precision=$2 $3 $4)"
   .venv/bin/python -c "import json,sys; [print(f\"step {r['step']:3d}  {r['tokens_per_s']:6.0f} tokens/s  peak RSS {r['peak_mem_gib']:.2f} GiB\") for r in map(json.loads, open(sys.argv[1])) if 'tokens_per_s' in r]" "$OUT/$1/train/metrics.jsonl"
 }
 VARIANTS=${VARIANTS:-"bf16 fp32 bf16-mmap1MiB"}
@@ -22,6 +22,9 @@ for v in $VARIANTS; do
     bf16-mmap1MiB) run bf16-mmap1MiB bf16 MALLOC_MMAP_THRESHOLD_=1048576;;
     # oneDNN keeps a compiled primitive (with its reordered weights) per matmul shape, 1024 by default
     bf16-onednn-cache8) run bf16-onednn-cache8 bf16 ONEDNN_PRIMITIVE_CACHE_CAPACITY=8;;
+    # rows padded to a multiple of N tokens: a few shapes repeat (train.row_length_multiple)
+    bf16-pad*) run "$v" bf16 "" "train.row_length_multiple=${v#bf16-pad}";;
+    fp32-pad*) run "$v" fp32 "" "train.row_length_multiple=${v#fp32-pad}";;
     *) echo "unknown variant $v"; exit 2;;
   esac
 done

@@ -32,3 +32,11 @@ def processes_with_marker(marker: str) -> list[int]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return [p for p in found if p != os.getpid()]
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket in LISTEN state held by `pids`."""
+    import psutil
+
+    return [(c.pid, c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="inet")
+            if c.pid in pids and c.status == psutil.CONN_LISTEN]

@@ -45,12 +45,24 @@ def test_dataset_matches_manifest(quick_run, quick_dataset):
     assert {s["split"] for s in manifest["shards"]} == {"train", "heldout"}
 
 
-def test_served_speculators_format_is_lossless(quick_run):
+def test_served_speculators_and_legacy_formats_are_lossless(quick_run):
+    """One validation serves both export formats of the same weights (the legacy folder as --compare), the target
+    alone and n-gram, as a user compares two drafters."""
     work, out = quick_run
-    run_stage("export/validate.py", *out, cwd=work)
+    printed = run_stage("export/validate.py", *out, "--compare", str(work / "run" / "drafter-legacy"), cwd=work)
     report = json.loads((work / "run" / "validation.json").read_text())
-    assert report["lossless"] is True
+    assert report["lossless"] is True and report["lossless_by_method"] == {"drafter": True, "ngram": True}
+    compare = report["compare"]  # the legacy layout, served by the same vLLM on the same prompts and cells
+    assert compare["method"] == "eagle3" and compare["lossless"] is True
+    assert [(h["concurrency"], h["num_speculative_tokens"]) for h in compare["head_to_head"]] == [(4, 2)]
+    assert all(h["winner"] in ("drafter", "compare") for h in compare["head_to_head"])
+    assert "eagle3 vs eagle3: eagle3 faster in" in printed
+    roles = sorted({c["role"] for c in report["sweep"]["cells"]})
+    assert roles == ["compare", "drafter", "ngram", "none"], roles
     assert report["acceptance_length"] >= 1.0 and len(report["acceptance_rate_per_position"]) == 2
+    # the same weights in two layouts draft the same tokens (up to batching's rounding at a near-tie)
+    legacy = report["compare"]["entries"][-1]
+    assert legacy["acceptance_length"] == pytest.approx(report["acceptance_length"], abs=0.05)
     assert "ngram" in json.dumps(report["tokens_per_target_step"])
     assert (work / "run" / "validation.md").is_file() and (work / "run" / "validation-acceptance.png").is_file()
     # the push dry run builds the card from this report and lists the exact upload
@@ -59,11 +71,3 @@ def test_served_speculators_format_is_lossless(quick_run):
         assert name in listing
     card = (work / "run" / "hub" / "draftsmith--smollm2-quick" / "README.md").read_text()
     assert "--speculative-config" in card and "lossless" in card
-
-
-def test_served_legacy_format_is_lossless(quick_run):
-    work, out = quick_run
-    run_stage("export/validate.py", *out, "--drafter", str(work / "run" / "drafter-legacy"),
-              "export.ngram_baseline=false", cwd=work)
-    report = json.loads((work / "run" / "validation.json").read_text())
-    assert report["lossless"] is True

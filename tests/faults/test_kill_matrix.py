@@ -4,6 +4,7 @@ write, between a bundle's renames, inside an export) and at a random moment, the
 those of an uninterrupted run, byte for byte (datasets, exported folders) and bit for bit (trained weights,
 P-EAGLE included). Kill points come from data/faults.py (DRAFTSMITH_KILL_AT); the random ones from a seed the
 test prints (DRAFTSMITH_FAULT_SEED replays them)."""
+import ipaddress
 import os
 import random
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from stages import processes_with_marker
+from stages import listening_sockets, processes_with_marker
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = int(os.environ.get("DRAFTSMITH_FAULT_SEED", str(int(time.time()) % 100_000)))
@@ -184,11 +185,16 @@ def test_validation_killed_while_serving_leaves_no_process_or_port_after_the_rer
     validator = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                  text=True)
     try:
-        for line in validator.stderr:  # killed once the first server (the target alone) is up and serving
+        for line in validator.stderr:  # killed once the first server (the drafter's) is up and serving
             if "healthy after" in line:
                 break
         serving = processes_with_marker(marker)
         assert len(serving) >= 3, serving  # the validator, the API server and its engine
+        # while it serves: vLLM's API server and engine listen on loopback only (issue #16), and the check sees the
+        # API socket (tests/export/test_server_binding.py shows that it reports an exposed one)
+        sockets = listening_sockets(serving)
+        assert sockets, "no listening socket found among the serving processes"
+        assert [s for s in sockets if not ipaddress.ip_address(s[1]).is_loopback] == [], sockets
         validator.send_signal(signal.SIGKILL)
         validator.wait()
     finally:

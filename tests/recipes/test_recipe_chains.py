@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import datasets
@@ -94,7 +95,7 @@ def offline_hf_home(tmp_path_factory) -> Path:
 def run(cmd: list, env: dict) -> str:
     start = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=STAGE_TIMEOUT_S, check=False)
-    print(f"{time.time() - start:6.1f} s  {' '.join(c for c in cmd[1:4] if not c.startswith('-'))}")
+    print(f"{time.time() - start:6.1f} s  {' '.join(c for c in cmd[1:4] if not c.startswith('-'))}", flush=True)
     assert proc.returncode == 0, f"{' '.join(cmd[:4])} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout + proc.stderr
 
@@ -116,10 +117,22 @@ def run_recipe_chain(recipe: str, out: Path, hf_home: Path) -> list[str]:
     return args
 
 
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory, offline_hf_home) -> dict[str, Path | BaseException]:
+    """The three chains at once, one thread each (each its own processes, folders and ports). Their stages are
+    mostly process start-up and vLLM engines coming up, single-threaded work, so on 2 cores three chains take
+    about the time of two run one after the other."""
+    outs = {recipe: tmp_path_factory.mktemp(recipe) / "run" for recipe in RECIPES}
+    with ThreadPoolExecutor(len(RECIPES)) as pool:
+        futures = {recipe: pool.submit(run_recipe_chain, recipe, out, offline_hf_home) for recipe, out in outs.items()}
+        return {recipe: f.exception() or outs[recipe] for recipe, f in futures.items()}
+
+
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_recipe_on_its_twin_serves_lossless(recipe, tmp_path, offline_hf_home):
-    out = tmp_path / "run"
-    run_recipe_chain(recipe, out, offline_hf_home)
+def test_recipe_on_its_twin_serves_lossless(recipe, recipe_runs):
+    out = recipe_runs[recipe]
+    if isinstance(out, BaseException):
+        raise out
     _, repo_id, under_hub_id = RECIPES[recipe]
 
     manifest = read_json(out / "dataset" / "manifest.json")
