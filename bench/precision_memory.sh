@@ -10,8 +10,8 @@ run() {  # name, precision, extra env, extra overrides
   env $3 .venv/bin/python train/eagle3.py --config smollm2-demo output_dir="$OUT/$1" data.dataset_dir="$DS" \
     data.draft_vocab_size=32000 data.max_seq_len=2048 ttt.num_steps=3 train.lr=2e-3 train.warmup_steps=8 \
     train.batch_tokens=2048 train.max_steps=60 train.log_every=10 train.eval_every=100000 train.save_every=100000 \
-    train.eval_max_samples=1 train.precision="$2" $4 > "$OUT/$1.log" 2>&1
-  echo "== $1 (train.precision=$2 $3 $4)"
+    train.eval_max_samples=1 train.precision="$2" ${4:-} > "$OUT/$1.log" 2>&1
+  echo "== $1 (train.precision=$2 $3 ${4:-})"
   .venv/bin/python -c "import json,sys; [print(f\"step {r['step']:3d}  {r['tokens_per_s']:6.0f} tokens/s  peak RSS {r['peak_mem_gib']:.2f} GiB\") for r in map(json.loads, open(sys.argv[1])) if 'tokens_per_s' in r]" "$OUT/$1/train/metrics.jsonl"
 }
 VARIANTS=${VARIANTS:-"bf16 fp32 bf16-mmap1MiB"}
