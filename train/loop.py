@@ -163,7 +163,7 @@ class Trainer:
             loss = loss.detach().double()
             local["nonfinite"] += float(not torch.isfinite(loss))
             local["loss"] += loss
-            local["tokens"] += int((row["document_ids"] >= 0).sum())  # trained tokens: the padding is not
+            local["tokens"] += row["num_tokens"]  # trained tokens: the padding is not
             local["correct"] += metrics["correct"]
             local["count"] += metrics["count"]
         totals = self.reduce_step_metrics(local)

@@ -109,8 +109,11 @@ def row_noise(like: torch.Tensor, seed: int, stream: int = 0) -> torch.Tensor:
 
 
 def pack_planned_row(ds: ShardedDataset, plan: RowPlan, row_tokens: int, multiple: int = 1) -> dict:
-    """Read the plan's samples and pack them; "row_seed" (a Python int) rides along with the tensors."""
-    return {**pack_row(ds.read_samples(plan.samples), row_tokens, multiple), "row_seed": plan.seed}
+    """Read the plan's samples and pack them; "row_seed" and "num_tokens" (the row's real tokens, padding not
+    counted) ride along with the tensors as Python ints, so counting them costs no device sync."""
+    samples = ds.read_samples(plan.samples)
+    num_tokens = min(row_tokens, sum(len(s["input_ids"]) for s in samples))
+    return {**pack_row(samples, row_tokens, multiple), "row_seed": plan.seed, "num_tokens": num_tokens}
 
 
 def plan_eval_rows(ds: ShardedDataset, max_samples: int, row_tokens: int) -> list[RowPlan]:

@@ -50,6 +50,7 @@ def test_padding_a_row_to_a_length_multiple_changes_neither_loss_nor_gradients(m
     plan = plan_next_row(train_ds, DataPosition(), cfg.train.seed, cfg.train.batch_tokens)
     packed = pack_planned_row(train_ds, plan, multiple, multiple)  # the packer pads the same way
     assert all(torch.equal(packed[k], padded[k]) for k in row if torch.is_tensor(row[k]))
+    assert packed["num_tokens"] == row["num_tokens"] == T  # trained tokens: the padding is not counted
 
     results = []
     for r in (row, padded):
