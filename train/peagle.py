@@ -8,11 +8,11 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from draftsmith.data.cli import build_arg_parser, log_run_header, parse_run_args, run_entry
 from draftsmith.data.config import RunConfig
 from draftsmith.data.errors import UserError
+from draftsmith.data.shards import read_tensor
 from draftsmith.train.build import build_drafter, build_drafter_spec, load_checked_dataset, load_teacher_head
 from draftsmith.train.distributed import build_accelerator
 from draftsmith.train.loop import Method, run_training
@@ -34,8 +34,8 @@ def dataset_token_counts(datasets, vocab_size: int) -> torch.Tensor:
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for ds in datasets:
         for entry in ds.shards:
-            with safe_open(str(ds.dir / entry["file"]), "pt") as f:
-                counts += torch.bincount(f.get_tensor("input_ids").long(), minlength=vocab_size)[:vocab_size]
+            input_ids = read_tensor(ds.dir / entry["file"], "input_ids")
+            counts += torch.bincount(input_ids.long(), minlength=vocab_size)[:vocab_size]
     return counts
 
 

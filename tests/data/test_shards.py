@@ -1,8 +1,10 @@
 """Shard writing (streamed sample by sample, byte-identical to safetensors' save), resume after a kill, and
 refusal of truncated or tampered shards."""
+from pathlib import Path
+
 import pytest
 import torch
-from safetensors.torch import save
+from safetensors.torch import load, save
 
 from draftsmith.data import shards
 from draftsmith.data.capture import capture_to_shards
@@ -45,6 +47,28 @@ def test_roundtrip_packed_samples(tmp_path):
         assert torch.equal(got["aux_hidden_states"], s.aux_hidden_states)
         assert torch.equal(got["final_hidden_states"], s.final_hidden_states)
         assert ds.sample_length(i) == len(s.input_ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rows_read_by_pread_equal_safetensors_own_load_and_leave_no_mapping(tmp_path, dtype):
+    samples = [_sample(t, seed) for seed, t in enumerate((5, 1, 9, 4))]
+    entry = write_shard(tmp_path, 0, "train", samples, dtype)
+    atomic_write_json(tmp_path / "manifest.json", {"format": FORMAT, "shards": [entry]})
+    path = tmp_path / shard_name(0)
+    extra = {"flags": torch.tensor([True, False, True]), "wide": torch.arange(6, dtype=torch.int64).view(3, 2)}
+    (tmp_path / "other.safetensors").write_bytes(save(extra))
+    reference = load(path.read_bytes()) | load((tmp_path / "other.safetensors").read_bytes())  # no map either
+    ds = ShardedDataset(tmp_path, "train")
+    offsets = reference["offsets"]
+    for i in range(len(samples)):
+        got = ds[i]
+        for k, t in got.items():
+            want = reference[k][offsets[i]: offsets[i + 1]]
+            assert t.dtype == want.dtype and torch.equal(t, want), (k, i)
+    # the trainer's RSS must not keep the pages it read (a memory map would list the file here)
+    assert str(path) not in Path("/proc/self/maps").read_text()
+    for k, t in extra.items():
+        assert torch.equal(shards.read_tensor(tmp_path / "other.safetensors", k), t)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
