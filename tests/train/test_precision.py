@@ -84,6 +84,17 @@ def test_the_probe_measures_this_cpu():
     assert math.isfinite(speedup) and speedup > 0
 
 
+def test_a_burst_of_other_work_does_not_decide_the_probe():
+    # products take 10 ms in fp32 and 4 ms in bf16 (2.5x); other work stalls a few of them, a different few per
+    # dtype, as a scheduler would: the probe keeps 2.5x, where timing one dtype's products after the other's and
+    # taking either's worst or average would not
+    stalls = {torch.float32: iter([0, 0, 0.2, 0, 0, 0, 0]), torch.bfloat16: iter([0, 0.3, 0.3, 0, 0.3, 0])}
+    base = {torch.float32: 0.010, torch.bfloat16: 0.004}
+    assert cpu_bf16_speedup(product_seconds=lambda dt: base[dt] + next(stalls[dt])) == pytest.approx(2.5)
+    slow = iter([0.010, 0.010, 2.0])  # emulated bf16: its warm-up alone answers, no rounds of 2 s products
+    assert cpu_bf16_speedup(product_seconds=lambda dt: next(slow)) == pytest.approx(0.005)
+
+
 def test_bf16_autocast_step_is_the_fp32_step_within_bf16_precision():
     g = torch.Generator().manual_seed(0)
     B, T, H, V_T, V_D = 1, 64, 32, 80, 48
