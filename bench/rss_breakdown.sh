@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What the training process's resident memory is made of while it runs: anonymous memory (tensors, allocator,
-# oneDNN caches) against file-backed pages (the memory-mapped dataset shards the rows are read from), sampled from
+# oneDNN caches) against file-backed pages (mapped libraries; until data/shards.py read rows with pread, also the
+# memory-mapped dataset shards), sampled from
 # /proc/<pid>/smaps_rollup every 25 s of a 45-step bf16 EAGLE-3 run on the full-budget vs_speculators dataset.
 # Usage: bash bench/rss_breakdown.sh [DATASET_DIR]
 set -euo pipefail
