@@ -49,12 +49,23 @@ VARIANTS |= {
 }
 
 
-def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: str, extra: list[str]) -> dict:
-    run = vs_speculators.fresh_dir(out / "levers" / name.replace(" ", "_").replace("=", ""))
+def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: str, extra: list[str],
+                  reuse: bool = False) -> dict:
+    """Train one variant from scratch; with `reuse`, a run of the same overrides that finished (its held-out
+    evaluation written) is taken as it is, so an interrupted levers run goes on where it stopped."""
+    run = out / "levers" / name.replace(" ", "_").replace("=", "")
     overrides = vs_speculators.draftsmith_overrides(run, conversations, steps) + [
         f"data.dataset_dir={RunPaths.at(out).dataset.dir}", f"train.seed={seed}", *extra]
-    seconds = vs_speculators.run_stage("train/eagle3.py", overrides, run.with_suffix(".log"))
     paths = RunPaths.at(run)
+    done = run / "levers-run.json"
+    if reuse and paths.eval_heldout.is_file() and done.is_file() and \
+            json.loads(done.read_text())["config_overrides"] == overrides:
+        seconds = json.loads(done.read_text())["seconds"]
+        print(f"  {name}: reusing the finished run in {run}", flush=True)
+    else:
+        vs_speculators.fresh_dir(run)
+        seconds = vs_speculators.run_stage("train/eagle3.py", overrides, run.with_suffix(".log"))
+        done.write_text(json.dumps({"config_overrides": overrides, "seconds": seconds}))
     result = json.loads(paths.eval_heldout.read_text())
     rate = vs_speculators.training_rate(paths.metrics)
     return {"name": name, "overrides": extra, "seconds": seconds, "tokens_per_s": rate["tokens_per_s"],
@@ -83,6 +94,8 @@ def main(argv=None) -> None:
     p.add_argument("--only", nargs="+", choices=sorted(VARIANTS), help="variants to run (default all)")
     p.add_argument("--combine", nargs="+", default=[], help="also run these variants' overrides together")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reuse", action="store_true", help="take variants whose run of the same overrides finished "
+                                                        "from that run instead of training them again")
     p.add_argument("--serve", action="store_true", help="also export and serve every variant at K=3 (vLLM, "
                                                         "164 HumanEval prompts x 128 tokens, beside the target alone)")
     a = p.parse_args(argv)
@@ -103,7 +116,7 @@ def main(argv=None) -> None:
     results = []
     for name, extra in plan:
         t0 = time.time()
-        r = train_variant(out, conversations, steps, a.seed, name, extra)
+        r = train_variant(out, conversations, steps, a.seed, name, extra, a.reuse)
         results.append(r)
         acc = r["eval"]["per_step_accuracy"]
         print(f"  {name:28} sim AL K=3 {r['eval']['simulated_acceptance_length']['3']:.3f}  acc "
