@@ -80,10 +80,13 @@ class ShardLayout:
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]]
 
     @classmethod
-    def read(cls, path: Path) -> ShardLayout:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
+    def read(cls, fd: int, path: Path) -> ShardLayout:
+        """The layout of the safetensors file open as `fd` (`path` names it in errors)."""
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise ValueError(f"{path} is {len(prefix)} bytes long, shorter than a safetensors header")
+        (size,) = struct.unpack("<Q", prefix)
+        header = json.loads(os.pread(fd, size, 8))
         data_start = 8 + size
         return cls({name: (SAFETENSORS_DTYPES[t["dtype"]], tuple(t["shape"]), data_start + t["data_offsets"][0])
                     for name, t in header.items() if name != "__metadata__"})
@@ -105,10 +108,15 @@ class ShardLayout:
 
 def read_tensor(path: Path, name: str) -> torch.Tensor:
     """One whole tensor of a safetensors file (no memory map)."""
-    layout = ShardLayout.read(path)
+    return read_layout_and_tensor(path, name)[1]
+
+
+def read_layout_and_tensor(path: Path, name: str) -> tuple[ShardLayout, torch.Tensor]:
+    """A safetensors file's layout and its tensor `name`, from one open of the file."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        return layout.read_rows(fd, name, 0, layout.tensors[name][1][0])
+        layout = ShardLayout.read(fd, path)
+        return layout, layout.read_rows(fd, name, 0, layout.tensors[name][1][0])
     finally:
         os.close(fd)
 
@@ -276,20 +284,16 @@ class ShardedDataset:
 
     def _layout(self, si: int) -> ShardLayout:
         self._verify(si)
-        if si not in self._layouts:
-            path = self.dir / self.shards[si]["file"]
-            try:
-                self._layouts[si] = ShardLayout.read(path)
-            except (OSError, ValueError, KeyError):
-                verify_shard(path, self.shards[si])  # names a missing or corrupt file
-                raise
+        self._shard_offsets(si)  # reads the layout with the offsets: one header parse per shard
         return self._layouts[si]
 
     def _shard_offsets(self, si: int) -> torch.Tensor:
+        """The shard's sample offsets, read without verifying its checksum (planning needs only these): the
+        layout read with them serves the rows too, since verification hashes the whole file, header included."""
         if si not in self._offsets:
             path = self.dir / self.shards[si]["file"]
             try:
-                self._offsets[si] = read_tensor(path, "offsets")
+                self._layouts[si], self._offsets[si] = read_layout_and_tensor(path, "offsets")
             except (OSError, ValueError, KeyError):
                 verify_shard(path, self.shards[si])  # names a missing or corrupt file
                 raise
@@ -301,11 +305,16 @@ class ShardedDataset:
         layout = self._layout(si)
         offsets = self._shard_offsets(si)
         a, b = int(offsets[j]), int(offsets[j + 1])
-        fd = os.open(self.dir / self.shards[si]["file"], os.O_RDONLY)
+        path = self.dir / self.shards[si]["file"]
         try:
-            sample = {k: layout.read_rows(fd, k, a, b) for k in SHARD_KEYS if k != "offsets"}
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                sample = {k: layout.read_rows(fd, k, a, b) for k in SHARD_KEYS if k != "offsets"}
+            finally:
+                os.close(fd)
+        except (OSError, ValueError):
+            verify_shard(path, self.shards[si])  # changed since it was verified: name the file and the fix
+            raise
         self.bytes_read += sum(t.numel() * t.element_size() for t in sample.values())
         return sample
 

@@ -121,6 +121,22 @@ def test_truncated_shard_is_refused(tmp_path):
         ShardedDataset(tmp_path, "train")[0]
 
 
+@pytest.mark.parametrize("keep", [0, 5, 100, -40])
+@pytest.mark.parametrize("planned", [False, True])
+def test_shard_cut_after_opening_is_refused_naming_the_file(tmp_path, keep, planned):
+    """A shard cut short (under a header, mid-header, mid-data) once the dataset is open, before or after its
+    offsets were read, and with its checksum taken as done (another process verified it): the error names it."""
+    _write_dataset(tmp_path)
+    ds = ShardedDataset(tmp_path, "train")
+    if planned:
+        [ds.sample_length(i) for i in range(len(ds))]
+    ds.mark_verified()
+    path = tmp_path / shard_name(1)
+    path.write_bytes(path.read_bytes()[:keep])
+    with pytest.raises(ValueError, match=shard_name(1)):
+        ds[4]
+
+
 def _counting_target():
     """A real (tiny) HF model that counts its decoder forwards, to see which shards a resume recomputes."""
     from transformers import AutoModelForCausalLM, LlamaConfig
