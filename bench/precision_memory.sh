@@ -23,8 +23,8 @@ for r in map(json.loads, open(sys.argv[1])):
               f"loss {r['loss']:.4f}")
 P
 }
-echo "$ VARIANTS=\"${VARIANTS:-}\" STEPS=$STEPS bash bench/precision_memory.sh $DS   ($(nproc) cores, $(date -u +%F))"
 VARIANTS=${VARIANTS:-"bf16 fp32 bf16-mmap1MiB"}
+echo "$ VARIANTS=\"$VARIANTS\" STEPS=$STEPS bash bench/precision_memory.sh $DS   ($(nproc) cores, $(date -u +%F))"
 for v in $VARIANTS; do
   case $v in
     bf16) run bf16 bf16 "";;
