@@ -58,3 +58,15 @@ def quick_dataset(tmp_path_factory):
     work = tmp_path_factory.mktemp("quick-data")
     run_stage("data/build.py", f"output_dir={work / 'run'}", cwd=work)
     return work / "run" / "dataset"
+
+
+@pytest.fixture(autouse=True)
+def default_dtype_is_left_as_found():
+    """A test that leaves torch's default dtype changed (bf16 after an in-process load, say) makes every later test
+    in the run build its tensors in that dtype; fail the test that did it, and put the default back."""
+    before = torch.get_default_dtype()
+    yield
+    after = torch.get_default_dtype()
+    if after != before:
+        torch.set_default_dtype(before)
+        pytest.fail(f"the test left torch's default dtype at {after} (was {before})")

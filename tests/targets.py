@@ -19,12 +19,16 @@ import importlib.util
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 FIXTURES = Path(__file__).parent / "fixtures" / "targets"
 TWIN_LAYERS = 8
 TWIN_SEED = 0
 LLAMA_MODELS_WHEEL = "llama-models==0.3.0"
+# a twin is built under torch's process-wide seed and default dtype (from_config(dtype=...) sets it for the build):
+# two threads building at once would leave the default at bf16 for the rest of the run, and mix their seeds
+_TORCH_GLOBALS = threading.Lock()
 
 # name -> (fixture folder with config.json, fixture folder with the tokenizer source, width overrides)
 TWINS = {
@@ -69,7 +73,7 @@ def _build_once(dest: Path, build) -> Path:
     """Build into a temporary sibling and rename: a killed or concurrent build never leaves half a folder."""
     if dest.is_dir():
         return dest
-    tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
+    tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}-{threading.get_ident()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     build(tmp)
@@ -208,8 +212,9 @@ def _save_twin(name: str, tokenizer_dir: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     config = twin_config(name)
-    torch.manual_seed(TWIN_SEED)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with _TORCH_GLOBALS:
+        torch.manual_seed(TWIN_SEED)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out / f.name)
