@@ -1,6 +1,13 @@
 """Shared fixtures: a tiny random Llama target saved as an HF folder and a captured dataset built from it;
-the smollm2-quick dataset of the real embedded target, built once per test run."""
+the smollm2-quick dataset of the real embedded target, built once per test run (once for all workers).
+
+`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): about half of the serial run's
+CPU time is idle (single-threaded start-ups, servers coming up, stages waiting on each other), and two workers
+fill it. Each test file runs whole on one worker, so a module fixture (the recipe chains, a Slurm cluster) is
+built once, and the files that chain stages or serve vLLM are handed out first, costliest first, so that both
+workers finish near the same time."""
 import json
+import os
 
 import pytest
 import torch
@@ -51,13 +58,48 @@ def tiny_run(tiny_target_dir, tmp_path_factory):
     return write_config
 
 
+# Minutes each file takes in a serial run on a 2-core AVX2 host (2026-12-02): the scheduling order, not a limit.
+# The scaleout files share one session fixture (the tiny run's configs), so they form one group.
+COSTLY_GROUPS = {
+    "tests/faults/test_kill_matrix.py": 11, "tests/recipes": 10, "tests/slurm": 8, "tests/e2e": 8,
+    "tests/scaleout": 7, "tests/export/test_validate.py": 6.5, "tests/export/test_vllm_load.py": 1,
+    "tests/export/test_vllm_parity.py": 1,
+}
+
+
+def xdist_group_of(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    return next((g for g in COSTLY_GROUPS if path == g or path.startswith(g + "/")), path)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    groups = {item: xdist_group_of(item.nodeid) for item in items}
+    for item, group in groups.items():
+        item.add_marker(pytest.mark.xdist_group(group))
+    # the costliest first (loadgroup hands the groups out in collection order, with --no-loadscope-reorder);
+    # the sort is stable, so tests keep their order inside a file
+    items.sort(key=lambda item: -COSTLY_GROUPS.get(groups[item], 0))
+
+
 @pytest.fixture(scope="session")
 def quick_dataset(tmp_path_factory):
     """data/build.py --config smollm2-quick (vLLM regeneration + capture on SmolLM2), once for every test that
-    trains on it (the e2e chain, the Slurm chain): runs point at it with data.dataset_dir."""
-    work = tmp_path_factory.mktemp("quick-data")
-    run_stage("data/build.py", f"output_dir={work / 'run'}", cwd=work)
-    return work / "run" / "dataset"
+    trains on it (the e2e chain, the Slurm chain), on whichever worker asks first; runs point at it with
+    data.dataset_dir."""
+    from filelock import FileLock
+
+    # the base temp folder of this run, common to its xdist workers (each has its own folder below it)
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    work = shared / "quick-data"
+    dataset = work / "run" / "dataset"
+    with FileLock(str(shared / "quick-data.lock")):
+        if not (dataset / "manifest.json").is_file():  # written last: a dataset with one is complete
+            work.mkdir(exist_ok=True)
+            run_stage("data/build.py", f"output_dir={work / 'run'}", cwd=work)
+    return dataset
 
 
 @pytest.fixture(autouse=True)
