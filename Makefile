@@ -21,7 +21,7 @@ setup: $(STAMP)
 
 # two workers: see tests/conftest.py (one test file per worker at a time, the costliest files first)
 test: setup
-	$(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder tests
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" tests

@@ -1,7 +1,7 @@
 """Shared fixtures: a tiny random Llama target saved as an HF folder and a captured dataset built from it;
 the smollm2-quick dataset of the real embedded target, built once per test run (once for all workers).
 
-`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): about half of the serial run's
+`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadfile`): about half of the serial run's
 CPU time is idle (single-threaded start-ups, servers coming up, stages waiting on each other), and two workers
 fill it. Each test file runs whole on one worker, so a module fixture (the recipe chains, a Slurm cluster) is
 built once, and the files that chain stages or serve vLLM are handed out first, costliest first, so that both
@@ -58,28 +58,24 @@ def tiny_run(tiny_target_dir, tmp_path_factory):
     return write_config
 
 
-# Minutes each file takes in a serial run on a 2-core AVX2 host (2026-12-02): the scheduling order, not a limit.
-# The scaleout files share one session fixture (the tiny run's configs), so they form one group.
-COSTLY_GROUPS = {
+# Minutes each file takes in a serial run on a 2-core AVX2 host (2026-12-02): the order the files are handed to the
+# workers in, costliest first, not a limit. A folder stands for each file in it.
+COSTLY_FILES = {
     "tests/faults/test_kill_matrix.py": 11, "tests/recipes": 10, "tests/slurm": 8, "tests/e2e": 8,
-    "tests/scaleout": 7, "tests/export/test_validate.py": 6.5, "tests/export/test_vllm_load.py": 1,
-    "tests/export/test_vllm_parity.py": 1,
+    "tests/scaleout/test_equivalence.py": 5, "tests/export/test_validate.py": 6.5,
+    "tests/scaleout/test_resume.py": 2.5, "tests/export/test_vllm_load.py": 1, "tests/export/test_vllm_parity.py": 1,
 }
 
 
-def xdist_group_of(nodeid: str) -> str:
+def minutes_of(nodeid: str) -> float:
     path = nodeid.split("::")[0]
-    return next((g for g in COSTLY_GROUPS if path == g or path.startswith(g + "/")), path)
+    return next((m for f, m in COSTLY_FILES.items() if path == f or path.startswith(f + "/")), 0)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    groups = {item: xdist_group_of(item.nodeid) for item in items}
-    for item, group in groups.items():
-        item.add_marker(pytest.mark.xdist_group(group))
-    # the costliest first (loadgroup hands the groups out in collection order, with --no-loadscope-reorder);
-    # the sort is stable, so tests keep their order inside a file
-    items.sort(key=lambda item: -COSTLY_GROUPS.get(groups[item], 0))
+    # `--dist loadfile --no-loadscope-reorder` hands the files out in collection order; the sort is stable, so the
+    # tests keep their order inside a file (and the other files theirs)
+    items.sort(key=lambda item: -minutes_of(item.nodeid))
 
 
 @pytest.fixture(scope="session")
