@@ -186,8 +186,10 @@ def write_manifest(ds: DatasetPaths, cfg: RunConfig, identity: dict, aux_ids: li
 
 
 def build_dataset(cfg: RunConfig, procs: BuildProcesses, dry_run: bool) -> None:
-    """Every process plans the same samples and shards and captures its share; the main process writes the folder,
-    regenerates the responses (the others wait, then read them) and writes the vocab and manifest."""
+    """Every process plans the same samples and shards and captures its share; the main process holds the folder's
+    lock, writes the folder, regenerates the responses (the others wait, then read them) and writes the vocab and
+    manifest. A complete dataset is only read: runs that find it so return without the lock, so two chains that
+    share one (a resubmitted Slurm chain, say) never refuse each other."""
     ds = cfg.paths.dataset
     out = ds.dir
     target_path = resolve_target_path(cfg.target.name_or_path, cfg.target.revision)
@@ -200,6 +202,16 @@ def build_dataset(cfg: RunConfig, procs: BuildProcesses, dry_run: bool) -> None:
         # a second run over a shared dataset must not rewrite its prompts, vocab or manifest
         logger.info("dataset %s is complete and was built with the same data settings: nothing to do", out)
         return
+    # one writer per folder: the main process holds its lock (the others write only their shards)
+    holds_lock = procs.is_main and not dry_run
+    with dataset_build_lock(ds.build_lock) if holds_lock else contextlib.nullcontext():
+        write_dataset(cfg, procs, dry_run, target_path, identity, aux_ids, recipe)
+
+
+def write_dataset(cfg: RunConfig, procs: BuildProcesses, dry_run: bool, target_path: str, identity: dict,
+                  aux_ids: list[int], recipe: str) -> None:
+    ds = cfg.paths.dataset
+    out = ds.dir
     tokenizer = load_tokenizer(target_path)
     train, heldout = build_prompt_splits(cfg.data.prompts)
     if cfg.data.regenerate.enabled:  # the engine refuses such a prompt and would abort the whole batch
@@ -247,10 +259,7 @@ def main(argv=None) -> None:
     log_run_header("data/build", args.config)
     procs = start_build_processes(cfg.target.device_map)
     try:
-        # one writer per folder: the main process holds its lock (the others write only their shards)
-        holds_lock = procs.is_main and not args.dry_run
-        with dataset_build_lock(cfg.paths.dataset.build_lock) if holds_lock else contextlib.nullcontext():
-            build_dataset(cfg, procs, args.dry_run)
+        build_dataset(cfg, procs, args.dry_run)
     finally:
         end_build_processes(procs)
 

@@ -1,7 +1,8 @@
 """One writer per dataset folder: data/build.py holds `build.lock` (its pid, host and start time) while it writes.
 
-A second build of the same folder is refused with the holder named; a lock whose process is gone (a SIGKILL, a
-lost node) is taken over with a warning, since resuming is the normal way on after a crash.
+A second build of an unfinished folder is refused with the holder named (a finished folder is only read, without
+the lock); a lock whose process is gone (a SIGKILL, a lost node) is taken over with a warning, since resuming is the
+normal way on after a crash.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """One writer per dataset folder (issue #16, item 3): a build refuses a folder a live build holds, naming it, and
-takes over the lock of a build that was killed."""
+takes over the lock of a build that was killed; a complete folder is only read, whoever holds its lock."""
 import os
 import signal
 import subprocess
@@ -25,7 +25,7 @@ def build(config: str, cwd: Path) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def test_a_live_build_holds_the_folder_and_a_killed_ones_lock_is_taken_over(build_config, tmp_path):
+def test_a_live_build_holds_the_folder_and_a_killed_ones_lock_is_taken_over_and_a_complete_one_is_shared(build_config, tmp_path):
     config = build_config(tmp_path)
     folder = tmp_path / "run" / "dataset"
     lock = folder / "build.lock"
@@ -47,3 +47,14 @@ def test_a_live_build_holds_the_folder_and_a_killed_ones_lock_is_taken_over(buil
     assert "taking over the lock of a build that is no longer running" in done.stderr
     assert f"pid {holder.pid}" in done.stderr
     assert (folder / "manifest.json").is_file() and not lock.exists()
+    # two chains sharing a complete dataset start their data stages at once (the CI's e2e and Slurm chains did):
+    # the one that finds the folder complete returns, though the other holds the lock
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        shared = build(config, tmp_path)
+        assert shared.returncode == 0, shared.stderr[-3000:]
+        assert "is complete and was built with the same data settings: nothing to do" in shared.stderr
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        holder.wait()
