@@ -48,6 +48,7 @@ VARIANTS |= {
     "recipe + ttt 5": [*SPECULATORS_RECIPE, "ttt.num_steps=5"],
     # the recipe's loss still falls steeply at its last steps at 2e-3 (under-trained at this budget)
     "recipe lr=5e-3": [*SPECULATORS_RECIPE, "train.lr=5e-3"],
+    "recipe lr=1e-2": [*SPECULATORS_RECIPE, "train.lr=1e-2"],
 }
 
 
