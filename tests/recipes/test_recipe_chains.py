@@ -123,8 +123,6 @@ def recipe_runs(tmp_path_factory, offline_hf_home) -> dict[str, Path | BaseExcep
     mostly process start-up and vLLM engines coming up, single-threaded work, so on 2 cores three chains take
     about the time of two run one after the other."""
     outs = {recipe: tmp_path_factory.mktemp(recipe) / "run" for recipe in RECIPES}
-    for twin, _, _ in RECIPES.values():
-        twin_folder(twin)  # built here, one after another: a build sets torch's process-wide seed and dtype
     with ThreadPoolExecutor(len(RECIPES)) as pool:
         futures = {recipe: pool.submit(run_recipe_chain, recipe, out, offline_hf_home) for recipe, out in outs.items()}
         return {recipe: f.exception() or outs[recipe] for recipe, f in futures.items()}
