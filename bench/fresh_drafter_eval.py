@@ -19,7 +19,7 @@ from draftsmith.train.packing import pack_planned_row, plan_eval_rows
 
 def main(argv=None) -> None:
     cfg, _ = parse_run_args(build_arg_parser(__doc__), argv)
-    train_ds, heldout_ds, aux_ids, target_path, hf_cfg = load_checked_dataset(cfg)
+    _train_ds, heldout_ds, aux_ids, target_path, hf_cfg = load_checked_dataset(cfg)
     drafter = build_drafter(cfg, build_drafter_spec(cfg, hf_cfg, target_path, aux_ids, "eagle3"), target_path)
     method = build_method(cfg, drafter, target_path, torch.device("cpu"))
     plans = plan_eval_rows(heldout_ds, cfg.train.eval_max_samples, cfg.train.batch_tokens)

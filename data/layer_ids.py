@@ -19,7 +19,7 @@ def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
 
 def normalize_aux_layer_ids(layer_ids, num_hidden_layers: int) -> list[int]:
     """Sorted, de-duplicated ids as vLLM concatenates them; each must lie in [0, N]."""
-    ids = sorted(set(int(i) for i in layer_ids))
+    ids = sorted({int(i) for i in layer_ids})
     bad = [i for i in ids if not 0 <= i <= num_hidden_layers]
     if bad:
         raise UserError(f"aux layer ids {bad} are outside [0, {num_hidden_layers}] for a {num_hidden_layers}-layer target")

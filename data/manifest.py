@@ -12,7 +12,6 @@ from pathlib import Path
 from draftsmith.data.errors import UserError
 from draftsmith.data.faults import kill_point
 
-
 _TEMP_SUFFIX = re.compile(r"\.[a-z0-9_]{8}\.tmp")  # what mkstemp adds after our prefix
 _stale_temps: dict[Path, set[str]] = {}  # folder -> temp names found there at this process's first write
 

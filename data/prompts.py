@@ -29,10 +29,10 @@ DEMO_MODULES = (
 )
 DEMO_TEMPLATES = (
     "Explain what `{qual}{sig}` does in Python and show a short example of using it.",
-    "Write a small Python function that uses `{qual}` to solve a practical task. The documentation says: "
-    "\"{doc}\". Include a docstring and a usage example.",
-    "I am reading code that calls `{qual}{sig}`. What are its parameters, what does it return, and what "
-    "is a common mistake when using it?",
+    ("Write a small Python function that uses `{qual}` to solve a practical task. The documentation says: "
+     "\"{doc}\". Include a docstring and a usage example."),
+    ("I am reading code that calls `{qual}{sig}`. What are its parameters, what does it return, and what "
+     "is a common mistake when using it?"),
 )
 
 

@@ -93,7 +93,7 @@ class TransformersGenerator:
             ids[i, t - len(p):] = torch.tensor(p)
             mask[i, t - len(p):] = 1
         torch.manual_seed(cfg.seed)
-        kwargs = dict(do_sample=cfg.temperature > 0, max_new_tokens=cfg.max_new_tokens, pad_token_id=pad)
+        kwargs = {"do_sample": cfg.temperature > 0, "max_new_tokens": cfg.max_new_tokens, "pad_token_id": pad}
         if cfg.temperature > 0:
             kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p)
         device = input_device(self.model)  # the first layer's device when target.device_map splits the model

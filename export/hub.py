@@ -33,8 +33,8 @@ def verdict_section(validation: dict) -> str:
         return "No concurrency sweep in this validation."
     from draftsmith.export.report import verdict_table
 
-    return "\n".join([f"Measured on {validation.get('num_prompts', '?')} prompts, greedy, "
-                      f"{validation.get('dtype', '?')}, by vLLM's own benchmark client:", "",
+    return "\n".join([(f"Measured on {validation.get('num_prompts', '?')} prompts, greedy, "
+                       f"{validation.get('dtype', '?')}, by vLLM's own benchmark client:"), "",
                       *verdict_table(decision, validation.get("method", "drafter")), "",
                       "![TPOT vs concurrency](validation-tpot.png)"])
 

@@ -46,8 +46,8 @@ def _sweep_table(r: dict) -> list[str]:
     """Like beside like: TPOT and tokens per target step for every method; per-draft AL in its own column."""
     rows = sorted(r["sweep"]["cells"], key=lambda c: (c["concurrency"], c["role"] != "none", c["role"],
                                                        c["num_speculative_tokens"]))
-    out = ["| concurrency | method | K | TPOT mean ms | p50 | p90 | output tok/s | tokens / target step | TAR | "
-           "AL per draft |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [("| concurrency | method | K | TPOT mean ms | p50 | p90 | output tok/s | tokens / target step | TAR | "
+            "AL per draft |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for c in rows:
         t = c["tpot_ms"]
         out.append(f"| {c['concurrency']} | {c['method']} | {c['num_speculative_tokens']} | {_fmt(t['mean'], '.1f')} | "
@@ -67,17 +67,17 @@ def verdict_table(decision: dict, method: str) -> list[str]:
                    f"{'yes' if v['use'] else 'no'} |")
     if decision.get("baseline_drift"):
         drift = ", ".join(f"{c}: {100 * d:.0f}%" for c, d in decision["baseline_drift"].items())
-        out += ["", f"TPOT without = the mean of the target alone served before and after the other servers; they "
-                    f"differed by {drift} (by concurrency)."]
+        out += ["", (f"TPOT without = the mean of the target alone served before and after the other servers; they "
+                     f"differed by {drift} (by concurrency).")]
         if decision["drift_warning"]:
-            out += ["", "**Warning: the machine's speed drifted during the run** by as much as the gain asked for: "
-                        "rerun on a quiet machine before trusting the verdict."]
+            out += ["", ("**Warning: the machine's speed drifted during the run** by as much as the gain asked for: "
+                         "rerun on a quiet machine before trusting the verdict.")]
     sat = decision["saturation_concurrency"]
-    out += ["", f"Saturation point: {sat if sat is not None else 'not reached'} (the lowest concurrency where no K "
-                f"cuts TPOT by {100 * decision['min_tpot_gain']:.0f}%). Routing rule: {decision['routing_rule']}."]
+    out += ["", (f"Saturation point: {sat if sat is not None else 'not reached'} (the lowest concurrency where no K "
+                 f"cuts TPOT by {100 * decision['min_tpot_gain']:.0f}%). Routing rule: {decision['routing_rule']}.")]
     if any(v["tar_warning"] for v in decision["by_concurrency"]):
-        out += ["", f"**Warning: token acceptance rate under {decision['min_token_acceptance_rate']:.0%}**: most "
-                    "proposals are rejected; the verify compute they cost is wasted."]
+        out += ["", (f"**Warning: token acceptance rate under {decision['min_token_acceptance_rate']:.0%}**: most "
+                     "proposals are rejected; the verify compute they cost is wasted.")]
     return out
 
 
@@ -135,8 +135,8 @@ def render_markdown(r: dict) -> str:
     else:
         lines += ["", f"Train/serve check not run: {mismatch['reason']}."]
     if not r["lossless"]:
-        lines += ["", "**Validation failed: outputs really differ from the target alone** (divergences in "
-                      "validation.json)."]
+        lines += ["", ("**Validation failed: outputs really differ from the target alone** (divergences in "
+                       "validation.json).")]
     if r.get("compare"):
         lines += ["", *_compare_lines(r)]
     return "\n".join(lines) + "\n"
