@@ -210,6 +210,7 @@ def build_dataset(cfg: RunConfig, procs: BuildProcesses, dry_run: bool) -> None:
 
 def write_dataset(cfg: RunConfig, procs: BuildProcesses, dry_run: bool, target_path: str, identity: dict,
                   aux_ids: list[int], recipe: str) -> None:
+    """Template (or regenerate) the prompts, capture every process's shards, then the vocab and the manifest."""
     ds = cfg.paths.dataset
     out = ds.dir
     tokenizer = load_tokenizer(target_path)

@@ -25,7 +25,7 @@ def build(config: str, cwd: Path) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def test_a_live_build_holds_the_folder_and_a_killed_ones_lock_is_taken_over_and_a_complete_one_is_shared(build_config, tmp_path):
+def test_a_live_build_holds_the_folder_a_dead_ones_lock_is_taken_over_a_complete_one_is_shared(build_config, tmp_path):
     config = build_config(tmp_path)
     folder = tmp_path / "run" / "dataset"
     lock = folder / "build.lock"
