@@ -49,7 +49,19 @@ VARIANTS |= {
     # the recipe's loss still falls steeply at its last steps at 2e-3 (under-trained at this budget)
     "recipe lr=5e-3": [*SPECULATORS_RECIPE, "train.lr=5e-3"],
     "recipe lr=1e-2": [*SPECULATORS_RECIPE, "train.lr=1e-2"],
+    # the same trained tokens in 512-token rows: 5.4x the optimizer steps (every anchor conversation is shorter
+    # than 512 tokens, so no sample is cut); the recipe looks step-limited at 359 steps of 2048 tokens
+    "recipe rows=512": [*SPECULATORS_RECIPE, "train.batch_tokens=512"],
+    # the longest anchor conversation is 363 tokens: 384-token rows are the shortest that cut none (1.21x the
+    # steps of 512): does the served gain of more steps go on?
+    "recipe rows=384": [*SPECULATORS_RECIPE, "train.batch_tokens=384"],
 }
+
+
+def row_tokens_of(extra: list[str]) -> int:
+    """The row length a variant trains with: its own train.batch_tokens, else the anchor's."""
+    set_rows = [int(o.split("=", 1)[1]) for o in extra if o.startswith("train.batch_tokens=")]
+    return set_rows[-1] if set_rows else vs_speculators.ROW_TOKENS
 
 
 def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: str, extra: list[str],
@@ -119,7 +131,13 @@ def main(argv=None) -> None:
     results = []
     for name, extra in plan:
         t0 = time.time()
-        r = train_variant(out, conversations, steps, a.seed, name, extra, a.reuse)
+        variant_steps = steps
+        if row_tokens_of(extra) != vs_speculators.ROW_TOKENS:  # same trained tokens in rows of another length
+            variant_steps, variant_tokens = vs_speculators.steps_for_budget(
+                RunPaths.at(out).dataset.dir, a.budget, a.seed, row_tokens_of(extra))
+            print(f"  {name}: rows of {row_tokens_of(extra)} tokens, {variant_steps} steps = {variant_tokens} "
+                  "trained tokens", flush=True)
+        r = train_variant(out, conversations, variant_steps, a.seed, name, extra, a.reuse)
         results.append(r)
         acc = r["eval"]["per_step_accuracy"]
         print(f"  {name:28} sim AL K=3 {r['eval']['simulated_acceptance_length']['3']:.3f}  acc "

@@ -99,16 +99,18 @@ def run_stage(script: str, overrides: list[str], log: Path, extra: list[str] = (
     return seconds
 
 
-def steps_for_budget(dataset_dir: Path, budget_tokens: int, seed: int) -> tuple[int, int]:
-    """(steps, tokens) of the trainer's own row plan (train/packing.py) until budget_tokens are trained."""
+def steps_for_budget(dataset_dir: Path, budget_tokens: int, seed: int,
+                     row_tokens: int = ROW_TOKENS) -> tuple[int, int]:
+    """(steps, tokens) of the trainer's own row plan (train/packing.py) for rows of `row_tokens` until
+    budget_tokens are trained."""
     from draftsmith.data.shards import ShardedDataset
     from draftsmith.train.packing import DataPosition, plan_next_row
 
     ds, pos = ShardedDataset(dataset_dir, "train"), DataPosition()
     steps = tokens = 0
     while tokens < budget_tokens:
-        plan = plan_next_row(ds, pos, seed, ROW_TOKENS)
-        tokens += min(ROW_TOKENS, sum(ds.sample_length(i) for i in plan.samples))
+        plan = plan_next_row(ds, pos, seed, row_tokens)
+        tokens += min(row_tokens, sum(ds.sample_length(i) for i in plan.samples))
         steps += 1
     return steps, tokens
 
