@@ -225,6 +225,10 @@ class TrainConfig:
     suits both, as speculators does); same schedule as lr."""
     muon_weight_decay: float = 0.1
     """Muon's decoupled weight decay."""
+    muon_ns_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """Precision of Muon's Newton-Schulz iteration: auto = the run's matmul precision (bf16 under bf16 autocast,
+    as torch.optim.Muon iterates; fp32 where the run is fp32, e.g. a CPU that emulates bf16); bf16 / fp32 force
+    it."""
     grad_clip: float = 0.5
     """Max global grad norm (0 = off)."""
     batch_tokens: int = 4096

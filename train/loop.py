@@ -25,7 +25,7 @@ from draftsmith.train.checkpoint import (
 from draftsmith.train.distributed import after_prepare, full_state_dict, sum_over_processes
 from draftsmith.train.loss import simulated_acceptance_length
 from draftsmith.train.metrics_log import MetricsLog
-from draftsmith.train.muon import MuonWithAdamW
+from draftsmith.train.muon import MuonWithAdamW, newton_schulz_dtype
 from draftsmith.train.objective import DrafterObjective, RowLoss
 from draftsmith.train.packing import DataPosition, pack_planned_row, plan_eval_rows, plan_next_row
 from draftsmith.train.spec import DrafterSpec
@@ -42,10 +42,12 @@ class Method:
     drafter_spec: DrafterSpec  # what export needs besides the weights
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, mixed_precision: str = "no"):
+    """The optimizer and its LR schedule; `mixed_precision` is the run's ("bf16" or "no", as accelerate names it)."""
     if cfg.optimizer == "muon":
         opt = MuonWithAdamW(model, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr or cfg.lr,
-                            muon_weight_decay=cfg.muon_weight_decay)
+                            muon_weight_decay=cfg.muon_weight_decay,
+                            ns_dtype=newton_schulz_dtype(cfg.muon_ns_precision, mixed_precision))
     else:
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
@@ -101,7 +103,7 @@ class Trainer:
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.paths = cfg.paths
         model = DrafterObjective(drafter, method.row_loss)
-        opt, sched = build_optimizer(model, cfg.train)
+        opt, sched = build_optimizer(model, cfg.train, accelerator.mixed_precision)
         self.model, self.opt, self.sched = accelerator.prepare(model, opt, sched)
         after_prepare(accelerator, self.model)
         verify_datasets(accelerator, [train_ds, heldout_ds])

@@ -1,10 +1,12 @@
 """Muon for the drafter's hidden matrices and AdamW for everything else, as one optimizer (train.optimizer: muon).
 
 One optimizer object keeps one LR schedule (each group's own peak lr times the same factor), one state dict for
-checkpoints and one `step` for accelerate. The Newton-Schulz iteration runs in float32 on a CPU, whose bf16 is
-emulated on most machines (~0.5 s per step for a 1-layer drafter against ~28 s in bf16 on an AVX2 CPU), and
-in bfloat16 on a GPU, as torch.optim.Muon does. Which parameters go where follows Keller Jordan's Muon: 2D
-matrices with both sides > 1, except the embeddings and the output head.
+checkpoints and one `step` for accelerate. The Newton-Schulz iteration runs by default in the precision of the
+run's matmuls (`newton_schulz_dtype`): bfloat16 under bf16 autocast, as torch.optim.Muon does, which on a CPU means
+its probe measured bf16 matmuls faster (bench/muon_newton_schulz.py times both there); float32 otherwise, where a
+CPU emulates bf16 (~0.5 s per step for a 1-layer drafter against ~28 s in bf16 on an AVX2 CPU). Which
+parameters go where follows Keller Jordan's Muon: 2D matrices with both sides > 1, except the embeddings and the
+output head.
 """
 from __future__ import annotations
 
@@ -27,16 +29,26 @@ def split_params_for_muon(model: torch.nn.Module) -> tuple[list, list]:
     return muon, adamw
 
 
-def orthogonalize(update: torch.Tensor, ns_steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+def newton_schulz_dtype(setting: str, mixed_precision: str) -> torch.dtype:
+    """The iteration's dtype for train.muon_ns_precision `setting` (auto | bf16 | fp32) in a run under
+    accelerate's `mixed_precision` ("bf16" or "no"). auto is bf16 only where the run already trusts bf16 matmuls
+    to be fast (train/precision.py decides that once per run)."""
+    if setting == "auto":
+        setting = "bf16" if mixed_precision == "bf16" else "fp32"
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[setting]
+
+
+def orthogonalize(update: torch.Tensor, ns_steps: int = 5, eps: float = 1e-7,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Approximately U V^T of update = U S V^T: the quintic Newton-Schulz iteration on the wide orientation."""
     a, b, c = NS_COEFFICIENTS
-    dtype = torch.bfloat16 if update.is_cuda else torch.float32
     tall = update.shape[0] > update.shape[1]
     x = (update.T if tall else update).to(dtype)
     x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
     for _ in range(ns_steps):
         gram = x @ x.T
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        # addmm sums inside the product kernel: one rounding per line in bf16, not one per term
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # aX + (bG + cG^2)X
     return (x.T if tall else x).to(update.dtype)
 
 
@@ -51,13 +63,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float,
                  muon_lr: float, muon_weight_decay: float, momentum: float = 0.95, ns_steps: int = 5,
-                 eps: float = 1e-8):
+                 eps: float = 1e-8, ns_dtype: torch.dtype = torch.float32):
         muon, adamw = split_params_for_muon(model)
         groups = [{"params": muon, "use_muon": True, "lr": muon_lr, "weight_decay": muon_weight_decay,
                    "momentum": momentum, "ns_steps": ns_steps},
                   {"params": adamw, "use_muon": False, "lr": lr, "weight_decay": weight_decay, "betas": betas,
                    "eps": eps}]
         super().__init__([g for g in groups if g["params"]], {})
+        self.ns_dtype = ns_dtype  # not a group setting: a resumed run keeps its precision (train/precision.json)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -77,7 +90,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         buf.lerp_(p.grad, 1 - group["momentum"])
         update = p.grad.lerp(buf, group["momentum"])  # Nesterov
         p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(orthogonalize(update, group["ns_steps"]), alpha=-group["lr"] * muon_lr_scale(p.shape))
+        p.add_(orthogonalize(update, group["ns_steps"], dtype=self.ns_dtype), alpha=-group["lr"] * muon_lr_scale(p.shape))
 
     def _adamw_update(self, p, group) -> None:
         state = self.state[p]
