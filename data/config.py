@@ -241,6 +241,10 @@ class TrainConfig:
     128 gives 0.90x the peak RSS at 0.95x the tokens/s, so the default is off."""
     hidden_noise_std: float = 0.0
     """Std of uniform-equivalent noise added to aux hidden states (0 = off)."""
+    teacher: Literal["distribution", "argmax"] = "distribution"
+    """What each draft step learns at a position: distribution = the target's next-token distribution over the
+    draft vocab (soft cross-entropy, i.e. forward KL), as EAGLE-3 and speculators train; argmax = only the
+    target's top token (cross-entropy on its one-hot), what greedy serving accepts."""
     seed: int = 0
     """Seed for init, data order and noise."""
     lm_head_init: Literal["target", "random"] = "random"

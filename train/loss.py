@@ -65,9 +65,13 @@ class TeacherTargets:
 
 
 @torch.no_grad()
-def teacher_targets(final_hidden, target_lm_head_weight, t2d, needed, chunk_size: int = 1024) -> TeacherTargets:
+def teacher_targets(final_hidden, target_lm_head_weight, t2d, needed, chunk_size: int = 1024,
+                    kind: str = "distribution") -> TeacherTargets:
     """The teacher of `teacher_from_final_hidden`, only where `needed` [B, T] holds (the shifted loss mask),
-    as probabilities: the full-vocab product and the softmax run once per row, not once per TTT step."""
+    as probabilities: the full-vocab product and the softmax run once per row, not once per TTT step.
+    kind (train.teacher): distribution = the softmax; argmax = the one-hot of the top draft token."""
+    if kind not in ("distribution", "argmax"):
+        raise ValueError(f"teacher kind must be distribution or argmax, got {kind!r}")
     B, T, H = final_hidden.shape
     flat_needed = needed.reshape(-1)
     where = flat_needed.nonzero().squeeze(-1)  # [M]
@@ -83,7 +87,11 @@ def teacher_targets(final_hidden, target_lm_head_weight, t2d, needed, chunk_size
         in_vocab[where[a : a + chunk_size]] = t2d[logits.argmax(dim=-1)]
         draft_logits = logits[:, draft_ids].to(work)  # [C, V_d]
         argmax[a : a + chunk_size] = draft_logits.argmax(dim=-1)
-        probs[a : a + chunk_size] = torch.softmax(draft_logits, dim=-1)
+        if kind == "argmax":  # the scored positions' top token is a draft token (in_vocab masks the rest)
+            probs[a : a + chunk_size] = 0.0
+            probs[a : a + chunk_size].scatter_(1, argmax[a : a + chunk_size, None], 1.0)
+        else:
+            probs[a : a + chunk_size] = torch.softmax(draft_logits, dim=-1)
     slot = torch.full((B * T,), -1, dtype=torch.long, device=states.device)
     slot[where] = torch.arange(where.numel(), device=states.device)
     return TeacherTargets(probs, argmax, slot.view(B, T), in_vocab.view(B, T))

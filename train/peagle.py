@@ -77,7 +77,7 @@ def choose_mask_token_id(target_path: str, datasets, vocab_size: int) -> int:
 def peagle_row_loss(model, row: dict, teacher_weight, t2d, cfg: RunConfig, setup: ParallelSetup):
     """Loss and per-depth metrics of one packed row: COD-sampled elements in training, every chain in
     evaluation. COD and noise draw from the row's seed, so any process (and a resumed run) draws the same."""
-    shifted = shift_parallel_row(row, teacher_weight, t2d)
+    shifted = shift_parallel_row(row, teacher_weight, t2d, cfg.train.teacher)
     if model.training and cfg.train.hidden_noise_std > 0:
         noise = cfg.train.hidden_noise_std * row_noise(shifted.aux_hidden, row["row_seed"], stream=1)
         shifted.aux_hidden = shifted.aux_hidden + noise

@@ -113,3 +113,35 @@ def test_without_grad_the_gradient_is_not_computed():
     ce, _ = HeadSoftCrossEntropy.apply(x.requires_grad_(True), head, teacher.probs, rows, teacher.argmax, 8, False)
     with pytest.raises(RuntimeError, match="need_grad=False"):
         ce.backward()
+
+
+def test_the_argmax_teacher_is_cross_entropy_on_the_targets_top_token():
+    """train.teacher=argmax: each step's loss is -log q(target argmax), brute force over full logits, and its
+    gradients; the hits are the same as with the distribution teacher."""
+    final, target_head, t2d, loss_mask, head, states = random_case(seed=4)
+    teacher = teacher_targets(final, target_head, t2d, loss_mask, chunk_size=5, kind="argmax")
+    masks = step_masks_of(loss_mask & teacher.in_vocab)
+    got, metrics = ttt_loss(head, states, teacher, masks, 0.8, chunk_size=16)
+    got_grads = torch.autograd.grad(got, [head, *states])
+
+    draft_ids = t2d.nonzero().squeeze(-1)
+    target_top = (final @ target_head.T).argmax(-1)  # [B, T] target ids over the full vocab
+    want, hits = 0.0, []
+    for j, s in enumerate(states):
+        n = T - j
+        log_q = torch.log_softmax(s[:, :n] @ head.T, dim=-1)  # [B, n, V_d]
+        want_id = torch.searchsorted(draft_ids, target_top[:, j: j + n].contiguous())  # its draft id (in vocab where scored)
+        mask = masks[j, :, :n]
+        nll = -log_q.gather(-1, want_id.clamp(max=V_D - 1)[..., None])[..., 0]
+        want = want + 0.8**j * nll[mask].sum() / mask.sum()
+        hits.append(int(((log_q.argmax(-1) == want_id) & mask).sum()))
+    want_grads = torch.autograd.grad(want, [head, *states])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert metrics["correct"].tolist() == hits and sum(hits) > 0
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    soft = teacher_targets(final, target_head, t2d, loss_mask, kind="distribution")
+    assert (teacher.probs.sum(-1) == 1).all() and (teacher.probs.count_nonzero(-1) == 1).all()
+    assert teacher.argmax.tolist() == soft.argmax.tolist() and not torch.equal(teacher.probs, soft.probs)
+    with pytest.raises(ValueError, match="distribution or argmax"):
+        teacher_targets(final, target_head, t2d, loss_mask, kind="hard")
