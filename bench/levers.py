@@ -55,6 +55,13 @@ VARIANTS |= {
     # the longest anchor conversation is 363 tokens: 384-token rows are the shortest that cut none (1.21x the
     # steps of 512): does the served gain of more steps go on?
     "recipe rows=384": [*SPECULATORS_RECIPE, "train.batch_tokens=384"],
+    # Muon's Newton-Schulz iteration in fp32, as every CPU run iterated before train.muon_ns_precision (auto: bf16
+    # where the run is bf16): side by side with "recipe rows=512", whose short rows pay the iteration most often
+    "recipe rows=512 ns fp32": [*SPECULATORS_RECIPE, "train.batch_tokens=512", "train.muon_ns_precision=fp32"],
+    # the loss lever: cross-entropy on the target's argmax (what greedy serving accepts) instead of forward KL on
+    # its distribution; fp32 Newton-Schulz as "recipe rows=512" ran (seventh run), so the loss is the one change
+    "recipe rows=512 argmax": [*SPECULATORS_RECIPE, "train.batch_tokens=512", "train.muon_ns_precision=fp32",
+                               "train.teacher=argmax"],
 }
 
 
