@@ -95,3 +95,23 @@ def test_a_rank_training_alone_is_outside_the_tolerance(one_process, scaleout_co
     difference = max_abs_difference(final_weights(one_process["eagle3"]), final_weights(run_dir))
     print(f"a rank alone vs the global batch: {difference:.3e}")
     assert difference > 1000 * WEIGHT_TOLERANCE
+
+
+def test_two_processes_with_muon_in_bf16_and_the_argmax_teacher_train_what_one_process_trains(scaleout_config):
+    """speculators' optimizer (Muon, Newton-Schulz in bf16) and train.teacher=argmax under DDP: each rank
+    orthogonalises the same all-reduced gradient, so 2 processes x 1 row equal 1 process x 2 accumulated rows."""
+    train = {"optimizer": "muon", "muon_ns_precision": "bf16", "teacher": "argmax"}
+    config_one, run_one = scaleout_config("one-muon-argmax", train={**train, "grad_accum": 2})
+    assert_launched_as(run_training(train_command("eagle3", config_one, None), launch_env(run_one.parent),
+                                    run_one.parent), None, 1)
+    config_two, run_two = scaleout_config("two-muon-argmax-ddp", train=train)
+    assert_launched_as(run_training(train_command("eagle3", config_two, "ddp"), launch_env(run_two.parent),
+                                    run_two.parent), "ddp", 2)
+
+    difference = max_abs_difference(final_weights(run_one), final_weights(run_two))
+    print(f"muon bf16 + argmax, ddp: max |w_2proc - w_1proc| = {difference:.3e}")
+    assert difference < WEIGHT_TOLERANCE
+    want, got = logged_losses(run_one), logged_losses(run_two)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=LOSS_RELATIVE_TOLERANCE)
