@@ -13,36 +13,18 @@ import argparse
 import time
 
 import torch
-from step_speed import NUM_AUX, fused_step
+from step_speed import fused_step, smollm2_drafter_and_row
 
-from draftsmith.data.config import DrafterConfig
-from draftsmith.data.target import load_target_config, resolve_target_path
-from draftsmith.train.build import load_teacher_head
-from draftsmith.train.drafter import Drafter
 from draftsmith.train.muon import MuonWithAdamW, orthogonalize, split_params_for_muon
 from draftsmith.train.precision import cpu_bf16_speedup
-from draftsmith.train.spec import spec_for_target
 
 DRAFT_VOCAB = 32000
 
 
 def build(seq: int):
-    path = resolve_target_path("smollm2")
-    hf = load_target_config(path)
-    torch.manual_seed(0)
-    model = Drafter(spec_for_target(hf, DrafterConfig(), method="eagle3", aux_layer_ids=range(1, NUM_AUX + 1),
-                                    draft_vocab_size=DRAFT_VOCAB))
-    model.t2d.zero_()
-    model.t2d[torch.randperm(hf.vocab_size)[:DRAFT_VOCAB]] = True
+    model, row, teacher_weight = smollm2_drafter_and_row(seq, DRAFT_VOCAB)
     model.lm_head.weight.requires_grad_(False)  # train.freeze_lm_head, as in speculators' recipe
-    g = torch.Generator().manual_seed(1)
-    run = 64  # alternating 13-token prompt and 51-token response runs: 80 % scored, as bench/step_speed.py
-    row = {"input_ids": torch.randint(0, hf.vocab_size, (1, seq), generator=g),
-           "loss_mask": ((torch.arange(seq) % run) >= 13).long()[None],
-           "aux_hidden_states": torch.randn(1, seq, NUM_AUX * hf.hidden_size, generator=g),
-           "final_hidden_states": torch.randn(1, seq, hf.hidden_size, generator=g),
-           "position_ids": torch.arange(seq)[None], "document_ids": torch.zeros(1, seq, dtype=torch.long)}
-    return model, row, load_teacher_head(path)
+    return model, row, teacher_weight
 
 
 def forward_backward_seconds(model, row, teacher_weight) -> float:

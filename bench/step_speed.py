@@ -53,10 +53,10 @@ def fused_step(model, row, teacher_weight):
     return ttt_loss(model.lm_head.weight, states, teacher, step_masks, STEP_WEIGHT)[0]
 
 
-def one_variant(variant: str, seq: int, steps: int, draft_vocab: int) -> dict:
+def smollm2_drafter_and_row(seq: int, draft_vocab: int):
+    """(drafter, synthetic row of seq tokens, teacher head weight) at SmolLM2's real dims, seeded."""
     path = resolve_target_path("smollm2")
     hf = load_target_config(path)
-    teacher_weight = load_teacher_head(path)
     torch.manual_seed(0)
     model = Drafter(spec_for_target(hf, DrafterConfig(), method="eagle3", aux_layer_ids=range(1, NUM_AUX + 1),
                                     draft_vocab_size=draft_vocab))
@@ -69,6 +69,11 @@ def one_variant(variant: str, seq: int, steps: int, draft_vocab: int) -> dict:
            "aux_hidden_states": torch.randn(1, seq, NUM_AUX * hf.hidden_size, generator=g),
            "final_hidden_states": torch.randn(1, seq, hf.hidden_size, generator=g),
            "position_ids": torch.arange(seq)[None], "document_ids": torch.zeros(1, seq, dtype=torch.long)}
+    return model, row, load_teacher_head(path)
+
+
+def one_variant(variant: str, seq: int, steps: int, draft_vocab: int) -> dict:
+    model, row, teacher_weight = smollm2_drafter_and_row(seq, draft_vocab)
     step = {"dense": dense_step, "fused": fused_step}[variant]
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times, loss = [], None
