@@ -81,7 +81,7 @@ def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: s
                   reuse: bool = False) -> dict:
     """Train one variant from scratch; with `reuse`, a run of the same overrides that finished (its held-out
     evaluation written) is taken as it is, so an interrupted levers run goes on where it stopped."""
-    run = out / "levers" / name.replace(" ", "_").replace("=", "")
+    run = out / "levers" / name.replace(" ", "_").replace("=", "")  # its log sits beside it as <name>.log
     overrides = vs_speculators.draftsmith_overrides(run, conversations, steps) + [
         f"data.dataset_dir={RunPaths.at(out).dataset.dir}", f"train.seed={seed}", *extra]
     paths = RunPaths.at(run)
@@ -92,7 +92,7 @@ def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: s
         print(f"  {name}: reusing the finished run in {run}", flush=True)
     else:
         vs_speculators.fresh_dir(run)
-        seconds = vs_speculators.run_stage("train/eagle3.py", overrides, run.with_suffix(".log"))
+        seconds = vs_speculators.run_stage("train/eagle3.py", overrides, run.parent / f"{run.name}.log")
         done.write_text(json.dumps({"config_overrides": overrides, "seconds": seconds}))
     result = json.loads(paths.eval_heldout.read_text())
     rate = vs_speculators.training_rate(paths.metrics)
