@@ -20,14 +20,14 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import speculators_side
 import vs_speculators
+from speculators_recipe import SPECULATORS_NORMS, SPECULATORS_RECIPE
 
 from draftsmith.data.run_paths import RunPaths
 
 VARIANTS = {
     "base": [],
     "step_weight=1.0": ["ttt.step_weight=1.0"],
-    "speculators norms": ["drafter.norm_before_fc=true", "drafter.norm_output=true",
-                          "drafter.norm_before_residual=true"],
+    "speculators norms": SPECULATORS_NORMS,
     "EAGLE-3.1 norms": ["drafter.fc_norm=true", "drafter.norm_output=true"],
     "muon": ["train.optimizer=muon"],  # muon_lr = lr, as speculators sets it
     "lr=5e-3": ["train.lr=5e-3"],
@@ -37,9 +37,6 @@ VARIANTS = {
 }
 # speculators' own recipe on our trainer (results-vs-speculators-recipes-cpu.txt, "B"), then B less one part or plus
 # one lever: which parts of B carry its served gain, and what goes beyond it
-SPECULATORS_NORMS = VARIANTS["speculators norms"]
-SPECULATORS_RECIPE = ["train.optimizer=muon", *SPECULATORS_NORMS, "ttt.step_weight=1.0", "train.lm_head_init=target",
-                      "train.freeze_lm_head=true", "train.min_lr_ratio=0.0"]
 VARIANTS |= {
     "speculators recipe": SPECULATORS_RECIPE,
     "recipe - muon": [o for o in SPECULATORS_RECIPE if o != "train.optimizer=muon"],
