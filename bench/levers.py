@@ -78,7 +78,8 @@ def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: s
                   reuse: bool = False) -> dict:
     """Train one variant from scratch; with `reuse`, a run of the same overrides that finished (its held-out
     evaluation written) is taken as it is, so an interrupted levers run goes on where it stopped."""
-    run = out / "levers" / name.replace(" ", "_").replace("=", "")
+    seed_suffix = f"_seed{seed}" if seed else ""  # another seed trains beside the seed-0 run, not over it
+    run = out / "levers" / (name.replace(" ", "_").replace("=", "") + seed_suffix)
     overrides = vs_speculators.draftsmith_overrides(run, conversations, steps) + [
         f"data.dataset_dir={RunPaths.at(out).dataset.dir}", f"train.seed={seed}", *extra]
     paths = RunPaths.at(run)
