@@ -125,6 +125,41 @@ def scored_positions_per_step(seq: int, ttt_steps: int) -> list[int]:
     return ttt_step_masks(mask, row["document_ids"], ttt_steps).sum(dim=(1, 2)).tolist()
 
 
+def profile_steps(step, device, steps: int = 2, top: int = 30) -> str:
+    """torch.profiler over `steps` more steps: kernel count per step, device and host time, and the kernels (or,
+    on a CPU, the operators) with the most self time; where a step loses its time, not how long it takes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+    wall = (time.perf_counter() - t0) / steps
+    events = prof.key_averages()
+    if cuda:
+        kernels = [e for e in events if e.device_type.name == "CUDA"]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6 / steps
+        launches = sum(e.count for e in kernels) / steps
+        head = (f"per step under the profiler: wall {1e3 * wall:.1f} ms, GPU kernels busy {1e3 * busy:.1f} ms "
+                f"({busy / wall:.0%}), {launches:.0f} kernel launches")
+        table = events.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70)
+    else:
+        head = f"per step under the profiler: wall {1e3 * wall:.1f} ms (CPU)"
+        table = events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=70)
+    return head + "\n" + table
+
+
+def write_profile(path: Path, step, device) -> None:
+    """The profile, or why it failed (the profiler's API is untested on a GPU here): never the timings' end."""
+    try:
+        text = profile_steps(step, device)
+    except Exception as e:  # noqa: BLE001 (any profiler failure: the timed result is already measured)
+        text = f"profile failed: {type(e).__name__}: {e}"
+    path.write_text(text)
+
+
 def time_steps(step, warmup: int, steps: int, device) -> dict:
     """Warm-up steps (compilation) untimed, then `steps` timed ones; peak memory over the timed steps (on a CPU,
     where this runs only as a smoke test, the process's peak RSS)."""
@@ -202,6 +237,8 @@ def draftsmith_worker(a) -> dict:
         return float(loss.detach())
 
     result = time_steps(step, a.warmup, a.steps, device)
+    if a.profile_out:
+        write_profile(a.profile_out, step, device)
     # the compiled flex kernel against the plain-PyTorch one on this device: the loss of the same weights and row
     model.eval()
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
@@ -313,6 +350,8 @@ def speculators_worker(a) -> dict:
         return float(loss.detach())
 
     result = time_steps(step, a.warmup, a.steps, device)
+    if a.profile_out:
+        write_profile(a.profile_out, step, device)
     return result | {"trainable_params": sum(p.numel() for p in params),
                      "speculators": importlib.metadata.version("speculators"),
                      "attention": a.speculators_attention, "loss_implementation": a.speculators_loss,
@@ -340,6 +379,8 @@ def run_worker(side: str, name: str, target_dir: Path, a, timeout_s: float) -> d
            "--warmup", str(a.warmup), "--steps", str(a.steps), "--attention", a.attention,
            "--speculators-attention", a.speculators_attention, "--speculators-loss", a.speculators_loss,
            "--device", a.device]
+    if a.profile:
+        cmd += ["--profile-out", str(a.work / f"{name}-{side}-profile.txt")]
     env = dict(os.environ)
     if side == "speculators" and a.speculators_site:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(a.speculators_site), env.get("PYTHONPATH")) if p)
@@ -385,7 +426,8 @@ def report(name: str, config: dict, results: dict, a) -> list[str]:
         if side == "draftsmith":
             fb = r["flex_vs_blockwise"]
             lines.append(f"    flex vs blockwise on this device (same weights and row, eval): loss "
-                         f"{fb['flex'][0]:.5f} vs {fb['blockwise'][0]:.5f}, top-1 hits {fb['flex'][1]} vs {fb['blockwise'][1]}")
+                         f"{fb['flex'][0]:.5f} vs {fb['blockwise'][0]:.5f}, top-1 hits {fb['flex'][1]} vs "
+                         f"{fb['blockwise'][1]}")
         else:
             lines.append(f"    speculators {r['speculators']}, attention {r['attention']}, loss "
                          f"{r['loss_implementation']}, optimizers {r['optimizer']}"
@@ -419,11 +461,14 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=240, help="seconds per (target, trainer) process")
     p.add_argument("--deadline", type=float, default=1e9, help="seconds for the whole run; later processes get less")
     p.add_argument("--work", type=Path, default=Path("/tmp/draftsmith-gpu-step"))
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, profile 2 more into <work>/<target>-<trainer>-profile.txt")
     p.add_argument("--report-from", nargs="+", type=Path, metavar="WORK_DIR",
                    help="print the report of earlier runs' <target>-<trainer>.json (a later folder's result wins)")
     p.add_argument("--worker", choices=SEQUENCE, help=argparse.SUPPRESS)
     p.add_argument("--target-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--profile-out", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
