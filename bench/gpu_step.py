@@ -85,12 +85,13 @@ def write_head_only_target(config_path: Path, out: Path, seed: int = 0) -> Path:
 
 
 def vocab_maps(vocab: int, draft_vocab: int):
-    """t2d marks the first draft_vocab target ids; d2t holds vLLM's offsets (target id - draft id), all 0 here."""
+    """(t2d, d2t) marking the first draft_vocab target ids: data/vocab.py's choice when no token was counted."""
     import torch
 
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[:draft_vocab] = True
-    return t2d, torch.zeros(draft_vocab, dtype=torch.long)
+    from draftsmith.data.vocab import build_draft_vocab
+
+    d2t, t2d = build_draft_vocab(torch.zeros(vocab, dtype=torch.int64), draft_vocab)
+    return t2d, d2t
 
 
 def ttt_attention_pairs(lengths: list[int], step: int) -> int:
@@ -305,12 +306,14 @@ def import_speculators_model():
 def speculators_worker(a) -> dict:
     import torch
 
+    from draftsmith.data.layer_ids import default_aux_layer_ids
+
     Eagle3DraftModel, layer_config, build_optimizers, resolve_loss_config, stubbed = import_speculators_model()
     device = torch.device(a.device)
     target = str(a.target_dir)
     hf = json.loads((a.target_dir / "config.json").read_text())
     num_layers = hf["num_hidden_layers"]
-    aux_ids = [2, num_layers // 2, num_layers - 3]  # its resolve_target_layer_ids default
+    aux_ids = default_aux_layer_ids(num_layers)  # vLLM's default, which speculators' resolve_target_layer_ids shares
     tl_config = layer_config(target, num_layers=1, draft_arch="llama", hidden_act=None, sliding_window=None,
                              full_attention_indices=[0])
     t2d, d2t = vocab_maps(hf["vocab_size"], a.draft_vocab)
