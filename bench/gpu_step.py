@@ -481,6 +481,9 @@ def main(argv=None) -> None:
         worker(a)
         return
     start = time.perf_counter()
+    bad = [t for t in a.targets if "=" not in t]
+    if bad:
+        sys.exit(f"--targets takes NAME=CONFIG.json pairs, got {bad}")
     targets = [t.split("=", 1) for t in a.targets]
     if not targets:
         from draftsmith.data.target import resolve_target_path
