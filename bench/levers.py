@@ -65,6 +65,13 @@ VARIANTS |= {
     # served lower). Newton-Schulz runs in bf16 (auto) in both, as in the tenth run's 512-token rows
     "recipe rows=512 noise 0.2": [*SPECULATORS_RECIPE, "train.batch_tokens=512", "train.hidden_noise_std=0.2"],
     "recipe rows=512 lr=1e-3": [*SPECULATORS_RECIPE, "train.batch_tokens=512", "train.lr=1e-3"],
+    # more signal from the same data: the teacher is the target's distribution, which exists at prompt tokens too
+    # (~28 % of the anchor's tokens), so training scores every token (train.loss_tokens=all), not the assistant
+    # mask alone; and TTT depth 5 (serving drafts 3: do deeper unrolls teach the later positions more?)
+    "recipe rows=512 lr=1e-3 all tokens": [*SPECULATORS_RECIPE, "train.batch_tokens=512", "train.lr=1e-3",
+                                           "train.loss_tokens=all"],
+    "recipe rows=512 lr=1e-3 ttt 5": [*SPECULATORS_RECIPE, "train.batch_tokens=512", "train.lr=1e-3",
+                                      "ttt.num_steps=5"],
 }
 
 

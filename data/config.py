@@ -245,6 +245,11 @@ class TrainConfig:
     """What each draft step learns at a position: distribution = the target's next-token distribution over the
     draft vocab (soft cross-entropy, i.e. forward KL), as EAGLE-3 and speculators train; argmax = only the
     target's top token (cross-entropy on its one-hot), what greedy serving accepts."""
+    loss_tokens: Literal["assistant", "all"] = "assistant"
+    """Which positions training scores: assistant = the chat template's assistant loss mask, as EAGLE-3 and
+    speculators train; all = every token of each conversation (the teacher is the target's own next-token
+    distribution, which exists at prompt tokens too, so they add signal from the same data). Held-out evaluation
+    always scores the assistant tokens, so figures compare across runs."""
     seed: int = 0
     """Seed for init, data order and noise."""
     lm_head_init: Literal["target", "random"] = "random"

@@ -12,7 +12,7 @@ from draftsmith.train.build import build_drafter, build_drafter_spec, load_check
 from draftsmith.train.distributed import build_accelerator
 from draftsmith.train.loop import Method, run_training
 from draftsmith.train.loss import teacher_targets, ttt_loss
-from draftsmith.train.packing import row_noise
+from draftsmith.train.packing import row_noise, with_training_loss_mask
 from draftsmith.train.ttt import pick_attention_impl, shift_for_ttt, ttt_forward, ttt_step_masks
 
 logger = logging.getLogger("draftsmith.train.eagle3")
@@ -20,6 +20,7 @@ logger = logging.getLogger("draftsmith.train.eagle3")
 
 def ttt_row_loss(model, row: dict, teacher_weight, t2d, cfg: RunConfig, attention: str):
     """Loss and per-step metrics of one packed row (DESIGN section 3); the noise is drawn from the row's seed."""
+    row = with_training_loss_mask(row, cfg.train.loss_tokens, model.training)
     ids, final, mask = shift_for_ttt(row["input_ids"], row["final_hidden_states"], row["loss_mask"],
                                      row["document_ids"])
     teacher = teacher_targets(final.float(), teacher_weight, t2d, needed=mask, kind=cfg.train.teacher)

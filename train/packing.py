@@ -102,6 +102,14 @@ def plan_next_row(ds: ShardedDataset, pos: DataPosition, seed: int, row_tokens: 
     return RowPlan(picked, plan_seed)
 
 
+def with_training_loss_mask(row: dict, loss_tokens: str, training: bool) -> dict:
+    """The row with the loss mask training scores (train.loss_tokens): "all" marks every real token (padding,
+    document id -1, never); evaluation keeps the assistant mask."""
+    if not training or loss_tokens == "assistant":
+        return row
+    return row | {"loss_mask": (row["document_ids"] >= 0).to(row["loss_mask"].dtype)}
+
+
 def row_noise(like: torch.Tensor, seed: int, stream: int = 0) -> torch.Tensor:
     """Standard normal noise shaped like `like`, drawn on the CPU from the row's seed (device-independent)."""
     g = torch.Generator().manual_seed((seed + stream) % 2**63)

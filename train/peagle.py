@@ -16,7 +16,7 @@ from draftsmith.data.shards import read_tensor
 from draftsmith.train.build import build_drafter, build_drafter_spec, load_checked_dataset, load_teacher_head
 from draftsmith.train.distributed import build_accelerator
 from draftsmith.train.loop import Method, run_training
-from draftsmith.train.packing import row_noise
+from draftsmith.train.packing import row_noise, with_training_loss_mask
 from draftsmith.train.parallel import (
     ParallelSetup,
     all_chain_elements,
@@ -77,6 +77,7 @@ def choose_mask_token_id(target_path: str, datasets, vocab_size: int) -> int:
 def peagle_row_loss(model, row: dict, teacher_weight, t2d, cfg: RunConfig, setup: ParallelSetup):
     """Loss and per-depth metrics of one packed row: COD-sampled elements in training, every chain in
     evaluation. COD and noise draw from the row's seed, so any process (and a resumed run) draws the same."""
+    row = with_training_loss_mask(row, cfg.train.loss_tokens, model.training)
     shifted = shift_parallel_row(row, teacher_weight, t2d, cfg.train.teacher)
     if model.training and cfg.train.hidden_noise_std > 0:
         noise = cfg.train.hidden_noise_std * row_noise(shifted.aux_hidden, row["row_seed"], stream=1)

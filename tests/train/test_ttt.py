@@ -372,3 +372,30 @@ def test_blockwise_keeps_memory_linear_in_T():
 def test_tttattention_rejects_split_documents():
     with pytest.raises(ValueError, match="contiguous"):
         TTTAttention(torch.tensor([[0, 0, 1, 1, 0, -1]]), "blockwise")
+
+
+def test_loss_tokens_all_scores_every_real_token_in_training_and_the_assistant_mask_in_evaluation():
+    """train.loss_tokens=all: training scores every position whose next token lies in the same document (prompt
+    tokens too, padding never), brute force over that mask; evaluation keeps the assistant loss mask."""
+    from types import SimpleNamespace
+
+    from draftsmith.train.eagle3 import ttt_row_loss
+
+    drafter = tiny_drafter(num_layers=1)
+    batch = packed_batch()
+    row = {"input_ids": batch["input_ids"], "final_hidden_states": batch["final_hidden"].float(),
+           "loss_mask": batch["loss_mask"].long(), "document_ids": batch["document_ids"],
+           "aux_hidden_states": batch["aux"].float(), "position_ids": batch["position_ids"], "row_seed": 0}
+    cfg = SimpleNamespace(train=SimpleNamespace(teacher="distribution", hidden_noise_std=0.0, loss_tokens="all"),
+                          ttt=SimpleNamespace(num_steps=J, step_weight=0.8))
+    expected = reference_ttt_logits(float64_params(drafter), drafter.spec, batch["aux"], batch["input_ids"],
+                                    batch["position_ids"], batch["document_ids"], J)
+    every_token = batch | {"loss_mask": batch["document_ids"] >= 0}
+    for training, scored_batch in ((True, every_token), (False, batch)):
+        drafter.train(training)
+        with torch.no_grad():
+            loss, metrics = ttt_row_loss(drafter, row, batch["lm_head"].float(), batch["t2d"], cfg, "blockwise")
+        expected_loss, expected_counts = reference_loss(expected, scored_batch, 0.8)
+        assert metrics["count"].tolist() == expected_counts
+        torch.testing.assert_close(loss.double(), expected_loss, rtol=1e-4, atol=1e-4)
+    assert reference_loss(expected, every_token, 0.8)[1] != reference_loss(expected, batch, 0.8)[1]
