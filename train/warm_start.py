@@ -68,3 +68,48 @@ def init_drafter_from_exported(drafter: Drafter, folder: str | Path) -> None:
         drafter.layers[i].mlp.down_proj.weight.zero_()
     logger.info("drafter initialised from %s (%d tensors)%s", folder, len(source),
                 f"; layers {new_layers} start as the identity" if new_layers else "")
+
+
+DENSE_LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                       "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                       "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+@torch.no_grad()
+def init_layers_from_target(drafter: Drafter, target_layers: list[dict[str, torch.Tensor]]) -> None:
+    """train.layer_init=target: drafter layer i starts as target_layers[i], the target's decoder layer top + i,
+    where top is the highest aux id (aux id k is the stream that enters HF layer k), and fc starts by passing
+    the top aux block through. Layer 0's q/k/v see only the hidden half of cat(embed, hidden) (the embedding
+    half starts at zero) and its hidden_norm takes the target layer's input norm. Without drafter norms the
+    drafter's step 0 is then exactly the target's layers above its top aux layer: an early exit it trains on
+    from there. Dense layers only (a mixture-of-experts MLP has no drafter counterpart)."""
+    spec, H = drafter.spec, drafter.spec.hidden_size
+    if spec.target_hidden_size != H:
+        raise UserError(f"train.layer_init=target needs the drafter width ({H}) to equal the target's "
+                        f"({spec.target_hidden_size})")
+    for i, (layer, source) in enumerate(zip(drafter.layers, target_layers)):
+        missing = [k for k in DENSE_LAYER_TENSORS if k not in source]
+        if missing:
+            raise UserError(f"train.layer_init=target: the target layer lacks {missing[:3]} (a dense Llama/Qwen3 "
+                            "layer is needed; mixture-of-experts targets train from random init)")
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            weight = source[f"self_attn.{name}.weight"]
+            own = getattr(attn, name).weight
+            if i == 0:  # [out, 2H]: cat(embed, hidden); the target's projection goes on the hidden half
+                own.zero_()
+                own[:, H:].copy_(weight)
+            else:
+                own.copy_(weight)
+        attn.o_proj.weight.copy_(source["self_attn.o_proj.weight"])
+        for name in ("q_norm", "k_norm"):
+            if getattr(attn, name) is not None and f"self_attn.{name}.weight" in source:
+                getattr(attn, name).weight.copy_(source[f"self_attn.{name}.weight"])
+        (layer.hidden_norm if i == 0 else layer.input_layernorm).weight.copy_(source["input_layernorm.weight"])
+        layer.post_attention_layernorm.weight.copy_(source["post_attention_layernorm.weight"])
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.mlp, name).weight.copy_(source[f"mlp.{name}.weight"])
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, -spec.target_hidden_size:].copy_(torch.eye(H))
+    logger.info("drafter layers initialised from %d target layer(s); fc passes the top aux layer through",
+                len(target_layers))

@@ -116,3 +116,58 @@ def test_a_resumed_run_does_not_read_init_from(tiny_run, tmp_path):
         build_drafter(cfg, spec, target_path)
     (cfg.paths.checkpoints / "step-0000010").mkdir(parents=True)
     build_drafter(cfg, spec, target_path)  # resumes: weights come from there
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_layer_init_from_target_is_the_targets_early_exit(tmp_path, arch):
+    """train.layer_init=target on a saved random target: with the drafter layers taken from the target's layers
+    above the top aux layer, fc passing that layer through and the target's head, the drafter's step 0 gives the
+    target's own logits (HF forward); a second drafter layer takes the next target layer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from draftsmith.data.config import DrafterConfig
+    from draftsmith.data.target import load_target_layer
+    from draftsmith.train.drafter import Drafter, init_drafter_from_target, init_head_from_target
+    from draftsmith.train.spec import spec_for_target
+    from draftsmith.train.warm_start import init_layers_from_target
+
+    n_layers, vocab = 5, 96
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    config = config_cls(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=vocab, num_hidden_layers=n_layers, max_position_embeddings=64,
+                        rms_norm_eps=1e-5, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    target = model_cls(config).eval()
+    with torch.no_grad():  # norm weights away from 1, so a norm copied to the wrong place shows
+        for name, p in target.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    target.save_pretrained(tmp_path / "target")
+    ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    for num_layers, aux_ids in ((1, [1, 2, 4]), (2, [1, 2, 3])):
+        spec = spec_for_target(config, DrafterConfig(num_layers=num_layers, arch=arch), method="eagle3",
+                               aux_layer_ids=aux_ids, draft_vocab_size=vocab)
+        drafter = Drafter(spec)
+        init_drafter_from_target(drafter, target.model.embed_tokens.weight.detach(), torch.zeros(vocab, dtype=torch.long),
+                                 torch.ones(vocab, dtype=torch.bool))
+        init_head_from_target(drafter, target.lm_head.weight.detach(), target.model.norm.weight.detach())
+        top = max(aux_ids)
+        init_layers_from_target(drafter, [load_target_layer(str(tmp_path / "target"), top + i)
+                                          for i in range(num_layers)])
+        aux = torch.cat([out.hidden_states[k] for k in aux_ids], dim=-1)
+        with torch.no_grad():
+            hidden = drafter.combine_aux_hidden_states(aux)
+            # the embedding half of layer 0 starts at zero: any tokens give the same step 0
+            _, logits = drafter(torch.roll(ids, 1), hidden, torch.arange(12)[None], causal_attention)
+        torch.testing.assert_close(logits, out.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_init_from_target_names_a_missing_layer(tmp_path):
+    from draftsmith.data.target import load_target_layer
+
+    save_file({"model.layers.0.input_layernorm.weight": torch.ones(4)}, str(tmp_path / "model.safetensors"))
+    assert set(load_target_layer(str(tmp_path), 0)) == {"input_layernorm.weight"}
+    with pytest.raises(UserError, match=r"model\.layers\.3\."):
+        load_target_layer(str(tmp_path), 3)
