@@ -72,10 +72,6 @@ VARIANTS |= {
                                            "train.loss_tokens=all"],
     "recipe rows=512 lr=1e-3 ttt 5": [*SPECULATORS_RECIPE, "train.batch_tokens=512", "train.lr=1e-3",
                                       "ttt.num_steps=5"],
-    # the drafter layer starts as the target's layer above its top aux layer (train.layer_init=target): step 0
-    # starts from the target's own early exit instead of a random layer, knowledge the 680k tokens cannot teach
-    "recipe rows=512 lr=1e-3 layer from target": [*SPECULATORS_RECIPE, "train.batch_tokens=512", "train.lr=1e-3",
-                                                  "train.layer_init=target"],
 }
 
 

@@ -258,10 +258,6 @@ class TrainConfig:
     freeze_lm_head: bool = False
     """Keep the draft lm_head fixed (with lm_head_init=target: the drafter learns to produce states the target's
     head reads, as speculators trains)."""
-    layer_init: Literal["random", "target"] = "random"
-    """The drafter layers' start: random; target = the target's decoder layers above its highest aux layer
-    (aux id k -> HF layer k, k+1, ...), fc passing that aux layer through and the embedding half of layer 0's
-    q/k/v at zero: step 0 starts as the target's own early exit (dense targets; train/warm_start.py)."""
     init_from: str = ""
     """Exported drafter folder whose tensors start this run (warm start; "" = random init). Layers it
     lacks start as the identity, so P-EAGLE can start from the EAGLE-3 drafter of the same dataset."""

@@ -209,24 +209,6 @@ def load_target_model(path: str, dtype: str, device_map: str = "", device=None):
     return model.to(device)
 
 
-def load_target_layer(path: str, index: int) -> dict[str, torch.Tensor]:
-    """The tensors of the target's decoder layer `index` (HF numbering), named within the layer
-    ("self_attn.q_proj.weight", ...); an error names the folder when the layer is not there."""
-    from safetensors import safe_open
-
-    prefix = f"model.layers.{index}."
-    found = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(f, "pt") as sf:
-            for k in sf.keys():  # noqa: SIM118 (safe_open has keys() but no iteration)
-                if k.startswith(prefix):
-                    found[k[len(prefix):]] = sf.get_tensor(k)
-    if not found:
-        raise UserError(f"target {path}: no tensors {prefix}* (train.layer_init=target reads the target's "
-                        "decoder layers; point target.name_or_path at a full checkpoint)")
-    return found
-
-
 def load_target_head(path: str) -> dict[str, torch.Tensor]:
     """Only the target's final norm weight, its eps and lm_head (the teacher), without loading the layers."""
     from safetensors import safe_open

@@ -18,7 +18,6 @@ from draftsmith.data.target import (
     is_hub_id,
     load_target_config,
     load_target_head,
-    load_target_layer,
     load_target_model,
     resolve_target_head_path,
     resolve_target_path,
@@ -27,7 +26,7 @@ from draftsmith.data.vocab import load_vocab
 from draftsmith.train.checkpoint import latest_checkpoint
 from draftsmith.train.drafter import Drafter, init_drafter_from_target, init_head_from_target
 from draftsmith.train.spec import DrafterSpec, spec_for_target
-from draftsmith.train.warm_start import init_drafter_from_exported, init_layers_from_target
+from draftsmith.train.warm_start import init_drafter_from_exported
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +88,6 @@ def build_drafter(cfg: RunConfig, spec: DrafterSpec, target_path: str) -> Drafte
     init_drafter_from_target(drafter, head["embed"].float(), d2t, t2d)
     if cfg.train.lm_head_init == "target":
         init_head_from_target(drafter, head["lm_head"].float(), head["norm"].float())
-    if cfg.train.layer_init == "target":
-        full = resolve_target_path(cfg.target.name_or_path, cfg.target.revision)  # the layers, not the head only
-        top, n_layers = max(spec.aux_layer_ids), load_target_config(full).get_text_config().num_hidden_layers
-        if top + spec.num_hidden_layers > n_layers:
-            raise UserError(f"train.layer_init=target: drafter.num_layers={spec.num_hidden_layers} layers above "
-                            f"aux layer {top} do not exist in a {n_layers}-layer target")
-        init_layers_from_target(drafter, [load_target_layer(full, top + i) for i in range(spec.num_hidden_layers)])
     if cfg.train.init_from and latest_checkpoint(cfg.paths.checkpoints) is None:
         # a resumed run restores its own weights: the source may be gone by then and is not read
         init_drafter_from_exported(drafter, cfg.train.init_from)
