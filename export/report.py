@@ -64,7 +64,7 @@ def verdict_table(decision: dict, method: str) -> list[str]:
         tar = _fmt(v["token_acceptance_rate"]) + (" (low)" if v["tar_warning"] else "")
         out.append(f"| {v['concurrency']} | {v['best_k']} | {_fmt(v['tpot_ms_without'], '.1f')} | "
                    f"{_fmt(v['tpot_ms_with'], '.1f')} | {100 * v['tpot_gain']:+.0f}% | {tar} | "
-                   f"{'yes' if v['use'] else 'no'} |")
+                   f"{'yes' if v['use'] else 'no (within drift)' if v.get('within_drift') else 'no'} |")
     if decision.get("baseline_drift"):
         drift = ", ".join(f"{c}: {100 * d:.0f}%" for c, d in decision["baseline_drift"].items())
         out += ["", (f"TPOT without = the mean of the target alone served before and after the other servers; they "
@@ -74,7 +74,8 @@ def verdict_table(decision: dict, method: str) -> list[str]:
                          "rerun on a quiet machine before trusting the verdict.")]
     sat = decision["saturation_concurrency"]
     out += ["", (f"Saturation point: {sat if sat is not None else 'not reached'} (the lowest concurrency where no K "
-                 f"cuts TPOT by {100 * decision['min_tpot_gain']:.0f}%). Routing rule: {decision['routing_rule']}.")]
+                 f"cuts TPOT by {100 * decision['min_tpot_gain']:.0f}%, or by the drift where that is larger). "
+                 f"Routing rule: {decision['routing_rule']}.")]
     if any(v["tar_warning"] for v in decision["by_concurrency"]):
         out += ["", (f"**Warning: token acceptance rate under {decision['min_token_acceptance_rate']:.0%}**: most "
                      "proposals are rejected; the verify compute they cost is wasted.")]

@@ -9,7 +9,8 @@ MIN_TOKEN_ACCEPTANCE_RATE = 0.30
 """Below this TAR (accepted / proposed draft tokens) the drafter mostly burns verify compute."""
 MAX_BASELINE_DRIFT = 0.10
 """The target alone is served again after every other server; where its TPOT moved by more than this share, the
-machine's speed drifted during the run by as much as the gain the verdict asks for: the verdict says so."""
+machine's speed drifted during the run by as much as the gain the verdict asks for: the verdict says so. At any
+drift, a K is turned on only where its gain also exceeds the drift measured at that concurrency."""
 
 
 def tpot_gain(tpot_ms: float, baseline_tpot_ms: float) -> float:
@@ -39,8 +40,12 @@ def decide(cells: list[dict], role: str = "drafter") -> dict:
         gains = {k: tpot_gain(cell["tpot_ms"]["mean"], baseline[c]) for k, cell in by_k.items()}
         best = max(gains, key=lambda k: (gains[k], -k))
         tar = by_k[best]["token_acceptance_rate"]
-        use = gains[best] >= MIN_TPOT_GAIN - 1e-9  # exactly 10 % counts, rounding aside
+        # a gain is evidence only beyond the machine's own drift at that load: where the target alone's TPOT moved
+        # by 15 % between its two measurements, a 12 % gain is as likely the machine as the drafter
+        needed = max(MIN_TPOT_GAIN, drift.get(c, 0.0))
+        use = gains[best] >= needed - 1e-9  # exactly 10 % counts, rounding aside
         rows.append({"concurrency": c, "best_k": best, "tpot_gain": gains[best], "use": use,
+                     "within_drift": not use and gains[best] >= MIN_TPOT_GAIN - 1e-9,
                      "tpot_ms_without": baseline[c], "tpot_ms_with": by_k[best]["tpot_ms"]["mean"],
                      "token_acceptance_rate": tar,
                      "tar_warning": tar is not None and tar < MIN_TOKEN_ACCEPTANCE_RATE,
@@ -88,7 +93,9 @@ def verdict_line(decision: dict, method: str) -> str:
     parts = []
     for r in decision["by_concurrency"]:
         what = (f"K={r['best_k']} {100 * r['tpot_gain']:+.0f}% TPOT" if r["use"]
-                else f"off (best K={r['best_k']} {100 * r['tpot_gain']:+.0f}%)")
+                else f"off (best K={r['best_k']} {100 * r['tpot_gain']:+.0f}%"
+                     + (f", within the machine's {100 * decision['baseline_drift'][str(r['concurrency'])]:.0f}% "
+                        "drift)" if r.get("within_drift") else ")"))
         if r["tar_warning"]:
             what += f", TAR {r['token_acceptance_rate']:.2f} < {MIN_TOKEN_ACCEPTANCE_RATE:.2f}"
         parts.append(f"c={r['concurrency']}: {what}")

@@ -80,3 +80,19 @@ def test_the_baseline_is_the_mean_of_both_measurements_and_drift_is_flagged():
     d = verdict.decide(_cells() + steady)
     assert not d["drift_warning"] and "UNSTABLE" not in verdict.verdict_line(d, "x")
     assert verdict.decide(_cells())["baseline_drift"] is None  # served once: nothing to compare
+
+
+def test_a_gain_within_the_machines_drift_is_not_a_gain():
+    """The target alone measured at 20 ms, then 24 ms (18 % drift at c=1): a drafter at 19.36 ms gains 12 % against
+    the 22 ms mean, above the 10 % rule but inside the drift, so c=1 is off and the line says why; at c=4 with no
+    drift the same rule turns K=3 on."""
+    cells = [_cell("none", 0, 1, 20.0), _cell("none-again", 0, 1, 24.0), _cell("drafter", 3, 1, 19.36, 0.0),
+             _cell("none", 0, 4, 25.0), _cell("none-again", 0, 4, 25.0), _cell("drafter", 3, 4, 22.0, 0.4)]
+    d = verdict.decide(cells)
+    c1, c4 = d["by_concurrency"]
+    assert c1["tpot_gain"] == pytest.approx(0.12) and d["baseline_drift"]["1"] == pytest.approx(4 / 22)
+    assert not c1["use"] and c1["within_drift"]
+    assert c4["use"] and c4["tpot_gain"] == pytest.approx(0.12) and not c4["within_drift"]
+    line = verdict.verdict_line(d, "x")
+    assert "c=1: off (best K=3 +12%, within the machine's 18% drift), TAR 0.00 < 0.30" in line
+    assert "c=4: K=3 +12% TPOT" in line
