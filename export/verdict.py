@@ -45,7 +45,7 @@ def decide(cells: list[dict], role: str = "drafter") -> dict:
         needed = max(MIN_TPOT_GAIN, drift.get(c, 0.0))
         use = gains[best] >= needed - 1e-9  # exactly 10 % counts, rounding aside
         rows.append({"concurrency": c, "best_k": best, "tpot_gain": gains[best], "use": use,
-                     "within_drift": not use and gains[best] >= MIN_TPOT_GAIN - 1e-9,
+                     "within_drift": not use and gains[best] >= MIN_TPOT_GAIN - 1e-9, "drift": drift.get(c),
                      "tpot_ms_without": baseline[c], "tpot_ms_with": by_k[best]["tpot_ms"]["mean"],
                      "token_acceptance_rate": tar,
                      "tar_warning": tar is not None and tar < MIN_TOKEN_ACCEPTANCE_RATE,
@@ -90,18 +90,24 @@ def head_to_head(cells: list[dict], first: str = "drafter", second: str = "compa
 
 def verdict_line(decision: dict, method: str) -> str:
     """The last line the validator prints: per concurrency the best K and its gain, or 'off', and the rule."""
-    parts = []
-    for r in decision["by_concurrency"]:
-        what = (f"K={r['best_k']} {100 * r['tpot_gain']:+.0f}% TPOT" if r["use"]
-                else f"off (best K={r['best_k']} {100 * r['tpot_gain']:+.0f}%"
-                     + (f", within the machine's {100 * decision['baseline_drift'][str(r['concurrency'])]:.0f}% "
-                        "drift)" if r.get("within_drift") else ")"))
-        if r["tar_warning"]:
-            what += f", TAR {r['token_acceptance_rate']:.2f} < {MIN_TOKEN_ACCEPTANCE_RATE:.2f}"
-        parts.append(f"c={r['concurrency']}: {what}")
+    parts = [f"c={r['concurrency']}: {cell_phrase(r)}" for r in decision["by_concurrency"]]
     verdict = "use" if any(r["use"] for r in decision["by_concurrency"]) else "do not use for this traffic"
     line = f"verdict ({method}): {verdict}; " + "; ".join(parts) + f"; routing: {decision['routing_rule']}"
     if decision.get("drift_warning"):
         line += (f"; UNSTABLE MACHINE: the target alone's TPOT moved up to "
                  f"{100 * max(decision['baseline_drift'].values()):.0f}% during the run")
     return line
+
+
+def cell_phrase(row: dict) -> str:
+    """One concurrency's part of the verdict line: 'K=3 +25% TPOT' or 'off (best K=3 +4%)', and its TAR warning."""
+    gain = f"K={row['best_k']} {100 * row['tpot_gain']:+.0f}%"
+    if row["use"]:
+        what = f"{gain} TPOT"
+    elif row.get("within_drift"):
+        what = f"off (best {gain}, within the machine's {100 * row['drift']:.0f}% drift)"
+    else:
+        what = f"off (best {gain})"
+    if row["tar_warning"]:
+        what += f", TAR {row['token_acceptance_rate']:.2f} < {MIN_TOKEN_ACCEPTANCE_RATE:.2f}"
+    return what
