@@ -104,7 +104,7 @@ def cell_phrase(row: dict) -> str:
     gain = f"K={row['best_k']} {100 * row['tpot_gain']:+.0f}%"
     if row["use"]:
         what = f"{gain} TPOT"
-    elif row.get("within_drift"):
+    elif row["within_drift"]:
         what = f"off (best {gain}, within the machine's {100 * row['drift']:.0f}% drift)"
     else:
         what = f"off (best {gain})"
