@@ -1,8 +1,10 @@
 """2 processes x 1 row a step train exactly what 1 process x 2 accumulated rows trains (the same global batch),
 under DDP, FSDP2 and DeepSpeed ZeRO-2, for EAGLE-3 and P-EAGLE: weights, logged losses and held-out metrics."""
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 from launching import (
     assert_launched_as,
     final_weights,
@@ -16,6 +18,7 @@ from launching import (
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
 
 # fp32, one thread per process, another reduction order: observed differences after 5 steps are 0 (DDP),
 # ~1.5e-8 (FSDP2) and <= 6e-8 (ZeRO-2); a rank that trains alone (no gradient sync) is off by > 1e-2
@@ -97,19 +100,36 @@ def test_a_rank_training_alone_is_outside_the_tolerance(one_process, scaleout_co
     assert difference > 1000 * WEIGHT_TOLERANCE
 
 
-def test_two_processes_with_muon_in_bf16_and_the_argmax_teacher_train_what_one_process_trains(scaleout_config):
-    """speculators' optimizer (Muon, Newton-Schulz in bf16) and train.teacher=argmax under DDP: each rank
-    orthogonalises the same all-reduced gradient, so 2 processes x 1 row equal 1 process x 2 accumulated rows."""
-    train = {"optimizer": "muon", "muon_ns_precision": "bf16", "teacher": "argmax"}
-    config_one, run_one = scaleout_config("one-muon-argmax", train={**train, "grad_accum": 2})
+def recipe_package(recipe: str = "llama3.1-8b") -> dict:
+    """The sections a shipped recipe sets beyond the sizes: its drafter switches, TTT weights and optimizer, head."""
+    cfg = yaml.safe_load((REPO / "configs" / f"{recipe}.yaml").read_text())
+    train_keys = ("optimizer", "lm_head_init", "freeze_lm_head", "min_lr_ratio", "teacher", "loss_tokens")
+    return {"drafter": {k: v for k, v in cfg["drafter"].items() if k != "num_layers"},
+            "ttt": {k: v for k, v in cfg.get("ttt", {}).items() if k != "num_steps"},
+            "train": {k: v for k, v in cfg["train"].items() if k in train_keys}}
+
+
+# speculators' optimizer (Muon, Newton-Schulz in bf16) with train.teacher=argmax; and the package the real-target
+# recipes ship (Muon, EAGLE-3.1 norms, frozen target head, equal step weights), read from the recipe itself
+PACKAGES = {"muon-argmax": {"train": {"optimizer": "muon", "muon_ns_precision": "bf16", "teacher": "argmax"}},
+            "recipe": recipe_package()}
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_two_processes_with_a_training_package_train_what_one_process_trains(package, scaleout_config):
+    """Under DDP each rank orthogonalises the same all-reduced gradient (Muon) and reads the same frozen head,
+    so 2 processes x 1 row equal 1 process x 2 accumulated rows."""
+    sections = PACKAGES[package]
+    train = sections.get("train", {})
+    config_one, run_one = scaleout_config(f"one-{package}", **{**sections, "train": {**train, "grad_accum": 2}})
     assert_launched_as(run_training(train_command("eagle3", config_one, None), launch_env(run_one.parent),
                                     run_one.parent), None, 1)
-    config_two, run_two = scaleout_config("two-muon-argmax-ddp", train=train)
+    config_two, run_two = scaleout_config(f"two-{package}-ddp", **sections)
     assert_launched_as(run_training(train_command("eagle3", config_two, "ddp"), launch_env(run_two.parent),
                                     run_two.parent), "ddp", 2)
 
     difference = max_abs_difference(final_weights(run_one), final_weights(run_two))
-    print(f"muon bf16 + argmax, ddp: max |w_2proc - w_1proc| = {difference:.3e}")
+    print(f"{package}, ddp: max |w_2proc - w_1proc| = {difference:.3e}")
     assert difference < WEIGHT_TOLERANCE
     want, got = logged_losses(run_one), logged_losses(run_two)
     assert sorted(got) == [1, 2, 3, 4, 5]
