@@ -86,6 +86,12 @@ VARIANTS["recipe rows=512 lr=1e-3 fc_norm ttt 5"] = [*VARIANTS["recipe rows=512 
 # predict (AdamW full budget: frozen 1.510 served against a trained random head's 1.549)
 VARIANTS["recipe rows=512 lr=1e-3 fc_norm trained head"] = [
     o for o in VARIANTS["recipe rows=512 lr=1e-3 fc_norm"] if not o.startswith("train.freeze_lm_head")]
+# the best so far drafting over the target's whole vocab (49152) instead of the 32000 ids most frequent in the
+# training family's assistant tokens: with the target's frozen head, a token the training rows never show can still
+# be drafted when the drafter's hidden state predicts it, and the served family (code) uses ids the chat family
+# does not; the same captured shards, only the vocab (rebuilt from the saved counts) differs
+VARIANTS["recipe rows=512 lr=1e-3 fc_norm full vocab"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"],
+                                                          "data.draft_vocab_size=49152"]
 
 
 def row_tokens_of(extra: list[str]) -> int:
@@ -94,14 +100,47 @@ def row_tokens_of(extra: list[str]) -> int:
     return set_rows[-1] if set_rows else vs_speculators.ROW_TOKENS
 
 
+def draft_vocab_size_of(extra: list[str]) -> int | None:
+    sizes = [int(o.split("=", 1)[1]) for o in extra if o.startswith("data.draft_vocab_size=")]
+    return sizes[-1] if sizes else None
+
+
+def dataset_with_draft_vocab(dataset_dir: Path, size: int) -> Path:
+    """The captured dataset with a draft vocab of `size`: every file hard-linked but the vocab, which is rebuilt
+    from the loss-masked token counts data/build.py saved beside it, as data.draft_vocab_size=size builds it."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from draftsmith.data.vocab import build_draft_vocab, save_vocab
+
+    out = dataset_dir.parent / f"{dataset_dir.name}-vocab{size}"
+    if (out / "vocab.safetensors").is_file():
+        return out
+    for src in dataset_dir.rglob("*"):
+        dst = out / src.relative_to(dataset_dir)
+        if src.is_dir():
+            dst.mkdir(parents=True, exist_ok=True)
+        elif src.name != "vocab.safetensors" and not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.link(src, dst)
+    counts = load_file(str(dataset_dir / "vocab.safetensors"))["counts"]
+    d2t, t2d = build_draft_vocab(counts, size)
+    save_vocab(out / "vocab.safetensors", d2t, t2d, counts)
+    return out
+
+
 def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: str, extra: list[str],
                   reuse: bool = False) -> dict:
     """Train one variant from scratch; with `reuse`, a run of the same overrides that finished (its held-out
     evaluation written) is taken as it is, so an interrupted levers run goes on where it stopped."""
     seed_suffix = f"_seed{seed}" if seed else ""  # another seed trains beside the seed-0 run, not over it
     run = out / "levers" / (name.replace(" ", "_").replace("=", "") + seed_suffix)
+    dataset_dir = RunPaths.at(out).dataset.dir
+    if draft_vocab_size_of(extra):
+        dataset_dir = dataset_with_draft_vocab(dataset_dir, draft_vocab_size_of(extra))
     overrides = vs_speculators.draftsmith_overrides(run, conversations, steps) + [
-        f"data.dataset_dir={RunPaths.at(out).dataset.dir}", f"train.seed={seed}", *extra]
+        f"data.dataset_dir={dataset_dir}", f"train.seed={seed}", *extra]
     paths = RunPaths.at(run)
     done = run / "levers-run.json"
     if reuse and paths.eval_heldout.is_file() and done.is_file() and \
