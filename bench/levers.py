@@ -94,15 +94,15 @@ VARIANTS["recipe rows=512 lr=1e-3 fc_norm full vocab"] = [*VARIANTS["recipe rows
                                                           "data.draft_vocab_size=49152"]
 
 
+def override_value(extra: list[str], key: str) -> str | None:
+    """The value a variant's overrides give `key` (the last one wins, as in the config loader), else None."""
+    values = [o.split("=", 1)[1] for o in extra if o.startswith(f"{key}=")]
+    return values[-1] if values else None
+
+
 def row_tokens_of(extra: list[str]) -> int:
     """The row length a variant trains with: its own train.batch_tokens, else the anchor's."""
-    set_rows = [int(o.split("=", 1)[1]) for o in extra if o.startswith("train.batch_tokens=")]
-    return set_rows[-1] if set_rows else vs_speculators.ROW_TOKENS
-
-
-def draft_vocab_size_of(extra: list[str]) -> int | None:
-    sizes = [int(o.split("=", 1)[1]) for o in extra if o.startswith("data.draft_vocab_size=")]
-    return sizes[-1] if sizes else None
+    return int(override_value(extra, "train.batch_tokens") or vs_speculators.ROW_TOKENS)
 
 
 def dataset_with_draft_vocab(dataset_dir: Path, size: int) -> Path:
@@ -137,8 +137,8 @@ def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: s
     seed_suffix = f"_seed{seed}" if seed else ""  # another seed trains beside the seed-0 run, not over it
     run = out / "levers" / (name.replace(" ", "_").replace("=", "") + seed_suffix)
     dataset_dir = RunPaths.at(out).dataset.dir
-    if draft_vocab_size_of(extra):
-        dataset_dir = dataset_with_draft_vocab(dataset_dir, draft_vocab_size_of(extra))
+    if override_value(extra, "data.draft_vocab_size"):
+        dataset_dir = dataset_with_draft_vocab(dataset_dir, int(override_value(extra, "data.draft_vocab_size")))
     overrides = vs_speculators.draftsmith_overrides(run, conversations, steps) + [
         f"data.dataset_dir={dataset_dir}", f"train.seed={seed}", *extra]
     paths = RunPaths.at(run)
