@@ -92,6 +92,11 @@ VARIANTS["recipe rows=512 lr=1e-3 fc_norm trained head"] = [
 # does not; the same captured shards, only the vocab (rebuilt from the saved counts) differs
 VARIANTS["recipe rows=512 lr=1e-3 fc_norm full vocab"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"],
                                                           "data.draft_vocab_size=49152"]
+# the best so far with its decoder layer started as the target's last one (q/k/v over the hidden half, o, MLP,
+# norms; the embedding half at zero) instead of random: the frozen head reads the target's last layer's output, so
+# the drafter starts from the layer that feeds it, and 680k tokens go into what differs, not into relearning it
+VARIANTS["recipe rows=512 lr=1e-3 fc_norm target layer"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"],
+                                                            "train.layer_init=target_last"]
 
 
 def override_value(extra: list[str], key: str) -> str | None:

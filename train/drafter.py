@@ -261,3 +261,42 @@ def init_head_from_target(drafter: Drafter, target_lm_head_weight, target_final_
                         "hidden size to be the target's; use train.lm_head_init=random")
     drafter.lm_head.weight.copy_(target_lm_head_weight[draft_ids])
     drafter.norm.weight.copy_(target_final_norm_weight)
+
+
+@torch.no_grad()
+def init_layers_from_target(drafter: Drafter, target_layers: list[dict[str, torch.Tensor]]) -> None:
+    """Start the drafter's n decoder layers as the target's last n (train.layer_init=target_last).
+
+    Layer 0 reads cat(input_layernorm(embed), hidden_norm(h)): its q/k/v columns over h and hidden_norm take the
+    target layer's projections and input norm, the columns over the embedding start at zero. So at step 0 each
+    drafter layer computes the target's layer on fc's output, and the token embedding enters as training learns it.
+    """
+    if len(target_layers) != len(drafter.layers):
+        raise UserError(f"train.layer_init=target_last: {len(target_layers)} target layers for a drafter of "
+                        f"{len(drafter.layers)}")
+    H = drafter.spec.hidden_size
+    for layer, tensors in zip(drafter.layers, target_layers):
+        own = dict(layer.named_parameters())
+        sources = dict(tensors)
+        if layer.hidden_norm is not None:
+            sources["hidden_norm.weight"] = sources.pop("input_layernorm.weight")
+        unused, missing = sorted(sources.keys() - own.keys()), sorted(own.keys() - sources.keys())
+        if layer.hidden_norm is not None:
+            missing.remove("input_layernorm.weight")  # the embedding's norm has no counterpart in the target
+        if unused or missing:
+            raise UserError(f"train.layer_init=target_last: the target's decoder layer does not match the drafter's "
+                            f"(target only: {unused[:4]}, drafter only: {missing[:4]}): it needs drafter.arch of the target's "
+                            "kind, and a mixture-of-experts or biased layer cannot start the drafter's; use "
+                            "train.layer_init=random")
+        for name, src in sources.items():
+            dst = own[name]
+            widened = layer.hidden_norm is not None and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj")
+            want = (dst.shape[0], H) if widened else tuple(dst.shape)
+            if tuple(src.shape) != want:
+                raise UserError(f"train.layer_init=target_last: target tensor {name} has shape {tuple(src.shape)}, "
+                                f"the drafter's layer needs {want}")
+            if widened:
+                dst.zero_()
+                dst[:, H:].copy_(src)
+            else:
+                dst.copy_(src)
