@@ -258,10 +258,6 @@ class TrainConfig:
     freeze_lm_head: bool = False
     """Keep the draft lm_head fixed (with lm_head_init=target: the drafter learns to produce states the target's
     head reads, as speculators trains)."""
-    layer_init: Literal["random", "target_last"] = "random"
-    """The drafter's decoder layers' start: target_last = the target's last n decoder layers (n = the drafter's
-    layers; the first layer's embedding half of q/k/v starts at zero, so at step 0 the drafter's layers compute
-    exactly the target's on fc's output); random = fresh layers."""
     init_from: str = ""
     """Exported drafter folder whose tensors start this run (warm start; "" = random init). Layers it
     lacks start as the identity, so P-EAGLE can start from the EAGLE-3 drafter of the same dataset."""

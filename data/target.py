@@ -28,7 +28,6 @@ CACHE_ENV = "DRAFTSMITH_CACHE"
 # what a target needs from the Hub: configs, tokenizer and chat template, safetensors weights (no .bin, no GGUF)
 HUB_TARGET_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 HEAD_TENSORS = {"model.norm.weight": "norm", "lm_head.weight": "lm_head", "model.embed_tokens.weight": "embed"}
-LAYER_PREFIX = "model.layers.{}."  # a decoder layer's tensors in a Llama / Qwen3 checkpoint
 STAMP = "draftsmith_conversion.json"
 
 
@@ -53,33 +52,22 @@ def resolve_target_path(name_or_path: str, revision: str = "") -> str:
     return hub_snapshot(name_or_path, revision, HUB_TARGET_FILES)
 
 
-def resolve_target_head_path(name_or_path: str, revision: str = "", last_layers: int = 0) -> str:
+def resolve_target_head_path(name_or_path: str, revision: str = "") -> str:
     """resolve_target_path for stages that need only the configs, the tokenizer and the teacher head (training):
-    a Hub id fetches just the weight files that hold the head tensors (and the last `last_layers` decoder layers,
-    for train.layer_init=target_last), not the whole model."""
+    a Hub id fetches just the weight files that hold the head tensors, not the whole model."""
     if not is_hub_id(name_or_path):
         return resolve_target_path(name_or_path, revision)
     configs = Path(hub_snapshot(name_or_path, revision, ["*.json", "*.jinja"]))
-    prefixes = [LAYER_PREFIX.format(i) for i in last_layer_ids(configs, last_layers)]
-    return hub_snapshot(name_or_path, revision, ["*.json", "*.jinja", *head_weight_files(configs, prefixes)])
+    return hub_snapshot(name_or_path, revision, ["*.json", "*.jinja", *head_weight_files(configs)])
 
 
-def last_layer_ids(folder: Path, n: int) -> list[int]:
-    """The ids of the target's last n decoder layers, ascending."""
-    cfg = read_json(folder / "config.json", "target config")
-    num_layers = cfg.get("text_config", cfg)["num_hidden_layers"]
-    return list(range(num_layers - n, num_layers))
-
-
-def head_weight_files(folder: Path, layer_prefixes: list[str] = ()) -> list[str]:
-    """The safetensors files of a (possibly sharded) checkpoint that hold the final norm, lm_head and embeddings,
-    and every tensor whose name starts with one of `layer_prefixes`."""
+def head_weight_files(folder: Path) -> list[str]:
+    """The safetensors files of a (possibly sharded) checkpoint that hold the final norm, lm_head and embeddings."""
     index = folder / "model.safetensors.index.json"
     if not index.is_file():
         return ["model.safetensors"]
     weight_map = read_json(index, "safetensors index")["weight_map"]
-    wanted = [k for k in weight_map if k in HEAD_TENSORS or k.startswith(tuple(layer_prefixes))]
-    return sorted({weight_map[k] for k in wanted})
+    return sorted({weight_map[k] for k in HEAD_TENSORS if k in weight_map})
 
 
 def hub_snapshot(repo_id: str, revision: str, patterns: list[str], repo_type: str = "model") -> str:
@@ -245,21 +233,4 @@ def load_target_head(path: str) -> dict[str, torch.Tensor]:
     if missing:
         raise UserError(f"target {path}: tensors {sorted(missing)} not found (expected model.norm / model.embed_tokens)")
     found["rms_norm_eps"] = torch.tensor(float(text_cfg.get("rms_norm_eps", 1e-6)))
-    return found
-
-
-def load_target_layer(path: str, layer_id: int) -> dict[str, torch.Tensor]:
-    """One decoder layer's tensors, named as inside the layer (`self_attn.q_proj.weight`, `mlp.up_proj.weight`)."""
-    from safetensors import safe_open
-
-    prefix = LAYER_PREFIX.format(layer_id)
-    found = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(f, "pt") as sf:
-            for k in sf.keys():  # noqa: SIM118 (safe_open is not a dict: it has keys() but no iteration)
-                if k.startswith(prefix):
-                    found[k.removeprefix(prefix)] = sf.get_tensor(k)
-    if not found:
-        raise UserError(f"target {path}: no tensors named {prefix}* (train.layer_init=target_last reads the "
-                        "target's last decoder layers by their Llama/Qwen3 names); use train.layer_init=random")
     return found

@@ -6,7 +6,6 @@ expensive is loaded; a mismatch names both values.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
@@ -17,22 +16,15 @@ from draftsmith.data.manifest import read_json, target_identity
 from draftsmith.data.shards import ShardedDataset
 from draftsmith.data.target import (
     is_hub_id,
-    last_layer_ids,
     load_target_config,
     load_target_head,
-    load_target_layer,
     load_target_model,
     resolve_target_head_path,
     resolve_target_path,
 )
 from draftsmith.data.vocab import load_vocab
 from draftsmith.train.checkpoint import latest_checkpoint
-from draftsmith.train.drafter import (
-    Drafter,
-    init_drafter_from_target,
-    init_head_from_target,
-    init_layers_from_target,
-)
+from draftsmith.train.drafter import Drafter, init_drafter_from_target, init_head_from_target
 from draftsmith.train.spec import DrafterSpec, spec_for_target
 from draftsmith.train.warm_start import init_drafter_from_exported
 
@@ -61,8 +53,7 @@ def load_checked_dataset(cfg: RunConfig, device="cpu"):
     """
     ds_dir = cfg.paths.dataset.dir
     manifest = read_json(cfg.paths.dataset.manifest, "dataset manifest (run data/build.py first)")
-    last_layers = cfg.drafter.num_layers if cfg.train.layer_init == "target_last" else 0
-    target_path = resolve_target_head_path(cfg.target.name_or_path, cfg.target.revision, last_layers)
+    target_path = resolve_target_head_path(cfg.target.name_or_path, cfg.target.revision)
     hf_cfg = load_target_config(target_path)
     aux_ids = check_dataset_matches(cfg, manifest, target_identity(cfg.target.name_or_path, hf_cfg),
                                     str(cfg.paths.dataset.manifest))
@@ -97,9 +88,6 @@ def build_drafter(cfg: RunConfig, spec: DrafterSpec, target_path: str) -> Drafte
     init_drafter_from_target(drafter, head["embed"].float(), d2t, t2d)
     if cfg.train.lm_head_init == "target":
         init_head_from_target(drafter, head["lm_head"].float(), head["norm"].float())
-    if cfg.train.layer_init == "target_last":
-        layer_ids = last_layer_ids(Path(target_path), spec.num_hidden_layers)
-        init_layers_from_target(drafter, [load_target_layer(target_path, i) for i in layer_ids])
     if cfg.train.init_from and latest_checkpoint(cfg.paths.checkpoints) is None:
         # a resumed run restores its own weights: the source may be gone by then and is not read
         init_drafter_from_exported(drafter, cfg.train.init_from)
