@@ -92,11 +92,14 @@ VARIANTS["recipe rows=512 lr=1e-3 fc_norm trained head"] = [
 # does not; the same captured shards, only the vocab (rebuilt from the saved counts) differs
 VARIANTS["recipe rows=512 lr=1e-3 fc_norm full vocab"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"],
                                                           "data.draft_vocab_size=49152"]
-# the best so far with its decoder layer started as the target's last one (q/k/v over the hidden half, o, MLP,
-# norms; the embedding half at zero) instead of random: the frozen head reads the target's last layer's output, so
-# the drafter starts from the layer that feeds it, and 680k tokens go into what differs, not into relearning it
-VARIANTS["recipe rows=512 lr=1e-3 fc_norm target layer"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"],
-                                                            "train.layer_init=target_last"]
+# the best so far reading the target's upper layers, its last one's output included ([20, 25, 30] of 30 layers:
+# two thirds, five sixths, the last), where vLLM's default is [2, 15, 27]: the frozen head predicts from the last
+# layer's stream, and NVIDIA's gpt-oss-120b-Eagle3-v3 reads [24, 30, 36] of 36. Needs its own capture of the same
+# conversations (dataset_with_aux_layers); the split, token counts and draft vocab are the base dataset's.
+# (train.layer_init=target_last, the decoder layer started as the target's last one, served 1.671 and was
+# reverted: results-levers-cpu.txt, eighteenth run.)
+VARIANTS["recipe rows=512 lr=1e-3 fc_norm aux 20,25,30"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"],
+                                                            "target.aux_layer_ids=[20,25,30]"]
 
 
 def override_value(extra: list[str], key: str) -> str | None:
@@ -135,6 +138,21 @@ def dataset_with_draft_vocab(dataset_dir: Path, size: int) -> Path:
     return out
 
 
+def dataset_with_aux_layers(out: Path, conversations: Path, aux_layer_ids: str) -> Path:
+    """The same conversations captured again at other aux layers (`target.aux_layer_ids`), built once by
+    data/build.py beside the base dataset."""
+    ids = [int(i) for i in aux_layer_ids.strip("[]").split(",")]
+    aux_out = out.parent / f"{out.name}-aux{'-'.join(map(str, ids))}"
+    if not RunPaths.at(aux_out).dataset.manifest.is_file():
+        aux_out.mkdir(parents=True, exist_ok=True)
+        overrides = [*vs_speculators.draftsmith_overrides(aux_out, conversations, 1),
+                     f"target.aux_layer_ids={aux_layer_ids}"]
+        seconds = vs_speculators.run_stage("data/build.py", overrides, aux_out / "build.log")
+        (aux_out / "build-time.json").write_text(json.dumps({"seconds": seconds}))
+        print(f"  captured at aux layers {ids} in {seconds:.0f} s: {aux_out}", flush=True)
+    return RunPaths.at(aux_out).dataset.dir
+
+
 def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: str, extra: list[str],
                   reuse: bool = False) -> dict:
     """Train one variant from scratch; with `reuse`, a run of the same overrides that finished (its held-out
@@ -142,6 +160,8 @@ def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: s
     seed_suffix = f"_seed{seed}" if seed else ""  # another seed trains beside the seed-0 run, not over it
     run = out / "levers" / (name.replace(" ", "_").replace("=", "") + seed_suffix)
     dataset_dir = RunPaths.at(out).dataset.dir
+    if override_value(extra, "target.aux_layer_ids"):
+        dataset_dir = dataset_with_aux_layers(out, conversations, override_value(extra, "target.aux_layer_ids"))
     if override_value(extra, "data.draft_vocab_size"):
         dataset_dir = dataset_with_draft_vocab(dataset_dir, int(override_value(extra, "data.draft_vocab_size")))
     overrides = vs_speculators.draftsmith_overrides(run, conversations, steps) + [
