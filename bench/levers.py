@@ -141,15 +141,11 @@ def dataset_with_draft_vocab(dataset_dir: Path, size: int) -> Path:
 def dataset_with_aux_layers(out: Path, conversations: Path, aux_layer_ids: str) -> Path:
     """The same conversations captured again at other aux layers (`target.aux_layer_ids`), built once by
     data/build.py beside the base dataset."""
-    ids = [int(i) for i in aux_layer_ids.strip("[]").split(",")]
-    aux_out = out.parent / f"{out.name}-aux{'-'.join(map(str, ids))}"
-    if not RunPaths.at(aux_out).dataset.manifest.is_file():
-        aux_out.mkdir(parents=True, exist_ok=True)
-        overrides = [*vs_speculators.draftsmith_overrides(aux_out, conversations, 1),
-                     f"target.aux_layer_ids={aux_layer_ids}"]
-        seconds = vs_speculators.run_stage("data/build.py", overrides, aux_out / "build.log")
-        (aux_out / "build-time.json").write_text(json.dumps({"seconds": seconds}))
-        print(f"  captured at aux layers {ids} in {seconds:.0f} s: {aux_out}", flush=True)
+    aux_out = out.parent / f"{out.name}-aux{aux_layer_ids.strip('[]').replace(',', '-')}"
+    seconds, cached = vs_speculators.build_dataset_once(aux_out, conversations,
+                                                        [f"target.aux_layer_ids={aux_layer_ids}"])
+    if not cached:
+        print(f"  captured at aux layers {aux_layer_ids} in {seconds:.0f} s: {aux_out}", flush=True)
     return RunPaths.at(aux_out).dataset.dir
 
 
@@ -160,8 +156,8 @@ def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: s
     seed_suffix = f"_seed{seed}" if seed else ""  # another seed trains beside the seed-0 run, not over it
     run = out / "levers" / (name.replace(" ", "_").replace("=", "") + seed_suffix)
     dataset_dir = RunPaths.at(out).dataset.dir
-    if override_value(extra, "target.aux_layer_ids"):
-        dataset_dir = dataset_with_aux_layers(out, conversations, override_value(extra, "target.aux_layer_ids"))
+    if aux_layer_ids := override_value(extra, "target.aux_layer_ids"):
+        dataset_dir = dataset_with_aux_layers(out, conversations, aux_layer_ids)
     if override_value(extra, "data.draft_vocab_size"):
         dataset_dir = dataset_with_draft_vocab(dataset_dir, int(override_value(extra, "data.draft_vocab_size")))
     overrides = vs_speculators.draftsmith_overrides(run, conversations, steps) + [
@@ -213,10 +209,7 @@ def main(argv=None) -> None:
     rows = rows[: speculators_side.num_conversations_for(a.budget, rows)]
     out = vs_speculators.work_dir() / f"draftsmith-first{len(rows)}"
     conversations = vs_speculators.anchor_jsonl(rows, out / "conversations.jsonl")
-    if not RunPaths.at(out).dataset.manifest.is_file():
-        base = vs_speculators.draftsmith_overrides(out, conversations, 1)
-        seconds = vs_speculators.run_stage("data/build.py", base, out / "build.log")
-        (out / "build-time.json").write_text(json.dumps({"seconds": seconds}))
+    vs_speculators.build_dataset_once(out, conversations)
     steps, tokens = vs_speculators.steps_for_budget(RunPaths.at(out).dataset.dir, a.budget, a.seed)
     print(f"$ .venv/bin/python bench/levers.py --budget {a.budget}; {len(rows)} anchor conversations, {steps} steps "
           f"= {tokens} trained tokens per variant, seed {a.seed}", flush=True)

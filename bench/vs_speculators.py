@@ -129,18 +129,23 @@ def training_rate(metrics_path: Path) -> dict:
             "losses": [r["loss"] for r in records]}
 
 
+def build_dataset_once(out: Path, conversations: Path, extra: list[str] = ()) -> tuple[float, bool]:
+    """data/build.py of `conversations` into `out` unless a finished build is there: (its seconds, cached)."""
+    if RunPaths.at(out).dataset.manifest.is_file():
+        return json.loads((out / "build-time.json").read_text())["seconds"], True
+    out.mkdir(parents=True, exist_ok=True)
+    seconds = run_stage("data/build.py", [*draftsmith_overrides(out, conversations, 1), *extra], out / "build.log")
+    (out / "build-time.json").write_text(json.dumps({"seconds": seconds}))
+    return seconds, False
+
+
 def run_draftsmith_side(rows: list[dict], budget_tokens: int, seed: int, extra: list[str] = (),
                         row_tokens: int = ROW_TOKENS) -> dict:
     out = work_dir() / f"draftsmith-first{len(rows)}"
     conversations = anchor_jsonl(rows, out / "conversations.jsonl")
-    base = draftsmith_overrides(out, conversations, 1) + [f"train.seed={seed}"]
     paths = RunPaths.at(out)
     manifest = paths.dataset.manifest
-    if manifest.is_file():
-        build_s, build_cached = json.loads((out / "build-time.json").read_text())["seconds"], True
-    else:
-        build_s, build_cached = run_stage("data/build.py", base, out / "build.log"), False
-        (out / "build-time.json").write_text(json.dumps({"seconds": build_s}))
+    build_s, build_cached = build_dataset_once(out, conversations, [f"train.seed={seed}"])
     steps, planned_tokens = steps_for_budget(paths.dataset.dir, budget_tokens, seed, row_tokens)
     overrides = draftsmith_overrides(out, conversations, steps) + [f"train.seed={seed}", *extra,
                                                                    f"train.batch_tokens={row_tokens}"]
@@ -272,6 +277,10 @@ def main(argv=None) -> None:
     print_comparison(report)
 
 
+# overrides that change the captured dataset, not only the training run
+DATASET_KEYS = ("target.aux_layer_ids", "data.draft_vocab_size")
+
+
 def draftsmith_extra(variant: str | None, sets: list[str]) -> tuple[list[str], int]:
     """(Draftsmith's overrides on top of the recipe, the row length both trainers pack): the levers variant's
     overrides, then --set; the row length is the last train.batch_tokens among them, else the anchor's."""
@@ -284,6 +293,11 @@ def draftsmith_extra(variant: str | None, sets: list[str]) -> tuple[list[str], i
             raise SystemExit(f"--variant {variant!r}: not a variant of bench/levers.py; one of: "
                              + ", ".join(sorted(levers.VARIANTS)))
         extra = [*levers.VARIANTS[variant], *sets]
+    own_dataset = [o for o in extra if o.split("=", 1)[0] in DATASET_KEYS]
+    if own_dataset:  # refused before speculators' side trains (~1.5 h), not when ours meets the dataset
+        raise SystemExit(f"{' '.join(own_dataset)}: this bench trains on the one dataset it captured (aux layers "
+                         "[2, 15, 27], draft vocab 32000); run that change with bench/levers.py, which builds "
+                         "the dataset it needs")
     rows = [o.split("=", 1)[1] for o in extra if o.startswith("train.batch_tokens=")]
     return [o for o in extra if not o.startswith("train.batch_tokens=")], int(rows[-1]) if rows else ROW_TOKENS
 
