@@ -81,6 +81,9 @@ VARIANTS |= {
 # the best so far with a deeper unroll: steps 4 and 5 train the drafter on its own drafts as inputs two more times
 # per position; serving drafts 3, so they count only through what they teach the shared weights
 VARIANTS["recipe rows=512 lr=1e-3 fc_norm ttt 5"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"], "ttt.num_steps=5"]
+# and depth 7, the GPU recipes' unroll and the last depth issue #12 lists (depth 5 served inside the seed spread
+# of depth 3 at 1.7x the step cost: does the gain start later?)
+VARIANTS["recipe rows=512 lr=1e-3 fc_norm ttt 7"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"], "ttt.num_steps=7"]
 # the best so far with the draft head (and its final norm) still started from the target's but trained, as our base
 # recipe trains its head: frozen, the 8192-row draft head cannot move toward what the one-layer drafter can
 # predict (AdamW full budget: frozen 1.510 served against a trained random head's 1.549)
