@@ -13,8 +13,8 @@ import signal
 
 from draftsmith.data.errors import UserError
 
-POINTS = ("shard_write", "shard_sidecar", "before_manifest", "regenerate_batch", "checkpoint_write", "bundle_swap",
-          "export_write")
+POINTS = ("shard_write", "shard_sidecar", "before_manifest", "regenerate_batch", "checkpoint_write",
+          "checkpoint_prune", "bundle_swap", "export_write")
 _reached: dict[str, int] = {}
 
 

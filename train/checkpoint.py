@@ -46,6 +46,16 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+def prune_checkpoints(ckpt_root: Path, keep_last: int = 2) -> None:
+    """Keep the newest keep_last checkpoints. Each old one is renamed to a hidden name before it is deleted, so
+    a kill inside the deletion never leaves a half-deleted folder under a `step-*` name; the leftovers of such a
+    kill are removed by the next prune (on every save and on resume)."""
+    for old in checkpoint_dirs(ckpt_root)[:-keep_last]:
+        os.replace(old, ckpt_root / f".old-{old.name}")
+    for hidden in ckpt_root.glob(".old-step-*"):
+        shutil.rmtree(hidden, ignore_errors=True)
+
+
 def save_checkpoint(accelerator, ckpt_root: Path, step: int, loop_state: dict, drafter: tuple | None = None,
                     keep_last: int = 2) -> Path:
     """All processes call this (a collective under FSDP2 and ZeRO); the main process adds `drafter/` (the full
@@ -73,8 +83,8 @@ def save_checkpoint(accelerator, ckpt_root: Path, step: int, loop_state: dict, d
         if accelerator.is_main_process:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            for old in checkpoint_dirs(ckpt_root)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            kill_point("checkpoint_prune")  # renamed, old ones not yet pruned: the rerun prunes them
+            prune_checkpoints(ckpt_root, keep_last)
         accelerator.wait_for_everyone()
     return final
 

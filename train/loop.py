@@ -19,6 +19,7 @@ from draftsmith.data.manifest import atomic_write_json, sha256_file
 from draftsmith.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
+    prune_checkpoints,
     save_checkpoint,
     save_drafter_bundle,
 )
@@ -123,6 +124,8 @@ class Trainer:
         ckpt = latest_checkpoint(self.paths.checkpoints)
         if ckpt is None:
             return
+        if self.acc.is_main_process:  # a run killed between a save and its prune left one too many
+            prune_checkpoints(self.paths.checkpoints)
         state = load_checkpoint(self.acc, ckpt)
         stored = state["resumable_config"]
         stored["train"].pop("grad_accum", None)  # checkpoints written before grad_accum became resumable

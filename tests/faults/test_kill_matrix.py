@@ -126,7 +126,8 @@ def test_training_killed_anywhere_resumes_to_bit_identical_weights(tiny_run, tmp
     ref = tiny_run(tmp_path / "ref", extra, output_dir=tmp_path / "ref" / "run")
     ok(run(command(script, ref), tmp_path))
     want = final_weights(tmp_path / "ref" / "run")
-    for point in ("checkpoint_write:2", "bundle_swap:1", "random"):  # bundle_swap: best/ replaced by a better eval
+    # bundle_swap: best/ replaced by a better eval; checkpoint_prune:3: the step-12 save renamed, step 4 not yet pruned
+    for point in ("checkpoint_write:2", "checkpoint_prune:3", "bundle_swap:1", "random"):
         out = tmp_path / point.replace(":", "-") / "run"
         config = tiny_run(out.parent, extra, output_dir=out)
         if point == "random":
