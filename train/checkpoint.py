@@ -33,6 +33,7 @@ STEP_DIR = re.compile(r"^step-(\d{7})$")
 BUNDLE_WEIGHTS = "drafter.safetensors"
 BUNDLE_SPEC = "drafter.json"
 BUNDLE_PROGRESS = "progress.json"
+KEEP_LAST = 2  # checkpoints kept: the newest, and the one before it in case the newest was cut short
 
 
 def checkpoint_dirs(ckpt_root: Path) -> list[Path]:
@@ -46,7 +47,7 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
-def prune_checkpoints(ckpt_root: Path, keep_last: int = 2) -> None:
+def prune_checkpoints(ckpt_root: Path, keep_last: int = KEEP_LAST) -> None:
     """Keep the newest keep_last checkpoints. Each old one is renamed to a hidden name before it is deleted, so
     a kill inside the deletion never leaves a half-deleted folder under a `step-*` name; the leftovers of such a
     kill are removed by the next prune (on every save and on resume)."""
@@ -57,7 +58,7 @@ def prune_checkpoints(ckpt_root: Path, keep_last: int = 2) -> None:
 
 
 def save_checkpoint(accelerator, ckpt_root: Path, step: int, loop_state: dict, drafter: tuple | None = None,
-                    keep_last: int = 2) -> Path:
+                    keep_last: int = KEEP_LAST) -> Path:
     """All processes call this (a collective under FSDP2 and ZeRO); the main process adds `drafter/` (the full
     weights as a bundle export/ can read, from `drafter` = (state_dict, spec)), renames the finished folder and
     prunes old ones."""
