@@ -103,6 +103,11 @@ VARIANTS["recipe rows=512 lr=1e-3 fc_norm full vocab"] = [*VARIANTS["recipe rows
 # reverted: results-levers-cpu.txt, eighteenth run.)
 VARIANTS["recipe rows=512 lr=1e-3 fc_norm aux 20,25,30"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"],
                                                             "target.aux_layer_ids=[20,25,30]"]
+# distillation temperature on the best so far: the teacher's and the drafter's logits both divided by 2 before the
+# softmax, the loss times 4 (Hinton et al.). The distribution teacher served above the argmax one (ninth run: the
+# runners-up carry what transfers to the served family); a softer teacher weighs them more
+VARIANTS["recipe rows=512 lr=1e-3 fc_norm T=2"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"],
+                                                   "train.teacher_temperature=2"]
 
 
 def override_value(extra: list[str], key: str) -> str | None:

@@ -245,6 +245,10 @@ class TrainConfig:
     """What each draft step learns at a position: distribution = the target's next-token distribution over the
     draft vocab (soft cross-entropy, i.e. forward KL), as EAGLE-3 and speculators train; argmax = only the
     target's top token (cross-entropy on its one-hot), what greedy serving accepts."""
+    teacher_temperature: float = 1.0
+    """Distillation temperature of the distribution teacher: the target's and the drafter's logits are both
+    divided by it before their softmax and the loss is scaled by its square (Hinton et al.), so > 1 weighs the
+    target's runners-up more; the argmax, what greedy serving accepts, does not change. 1 = plain forward KL."""
     loss_tokens: Literal["assistant", "all"] = "assistant"
     """Which positions training scores: assistant = the chat template's assistant loss mask, as EAGLE-3 and
     speculators train; all = every token of each conversation (the teacher is the target's own next-token
@@ -281,6 +285,11 @@ class TrainConfig:
     def __post_init__(self):
         if self.lr <= 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.teacher_temperature <= 0:
+            raise ConfigError(f"train.teacher_temperature must be > 0, got {self.teacher_temperature}")
+        if self.teacher == "argmax" and self.teacher_temperature != 1.0:
+            raise ConfigError(f"train.teacher_temperature={self.teacher_temperature} needs train.teacher="
+                              "distribution: the argmax teacher is a one-hot, which has no temperature")
         unknown = sorted(set(self.report_to) - set(TRACKERS))
         if unknown:
             raise ConfigError(f"train.report_to: {unknown} are not trackers Draftsmith logs to (valid: {TRACKERS})")

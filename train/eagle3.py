@@ -23,7 +23,8 @@ def ttt_row_loss(model, row: dict, teacher_weight, t2d, cfg: RunConfig, attentio
     row = with_training_loss_mask(row, cfg.train.loss_tokens, model.training)
     ids, final, mask = shift_for_ttt(row["input_ids"], row["final_hidden_states"], row["loss_mask"],
                                      row["document_ids"])
-    teacher = teacher_targets(final.float(), teacher_weight, t2d, needed=mask, kind=cfg.train.teacher)
+    teacher = teacher_targets(final.float(), teacher_weight, t2d, needed=mask, kind=cfg.train.teacher,
+                              temperature=cfg.train.teacher_temperature)
     step_masks = ttt_step_masks(mask & teacher.in_vocab, row["document_ids"], cfg.ttt.num_steps)
     aux = row["aux_hidden_states"].float()  # [1, T, n_aux * H_t]
     if model.training and cfg.train.hidden_noise_std > 0:

@@ -53,25 +53,30 @@ def ttt_step_loss(logits, teacher_logits, mask):
 class TeacherTargets:
     """The teacher at the positions a row scores, computed once and shared by every TTT step.
 
-    probs [M, V_d]: softmax of the target logits over the draft vocab; argmax [M]: its draft id; slot [B, T]:
-    the row of probs/argmax for position t (-1 where nothing is scored); in_vocab [B, T]: the target's argmax
-    over its full vocab is a draft token (False where not computed).
+    probs [M, V_d]: softmax of the target logits over the draft vocab (divided by temperature first); argmax
+    [M]: its draft id; slot [B, T]: the row of probs/argmax for position t (-1 where nothing is scored); in_vocab
+    [B, T]: the target's argmax over its full vocab is a draft token (False where not computed); temperature:
+    the draft logits are divided by it too before their softmax, and the loss is scaled by its square.
     """
 
     probs: torch.Tensor
     argmax: torch.Tensor
     slot: torch.Tensor
     in_vocab: torch.Tensor
+    temperature: float = 1.0
 
 
 @torch.no_grad()
 def teacher_targets(final_hidden, target_lm_head_weight, t2d, needed, chunk_size: int = 1024,
-                    kind: str = "distribution") -> TeacherTargets:
+                    kind: str = "distribution", temperature: float = 1.0) -> TeacherTargets:
     """The teacher of `teacher_from_final_hidden`, only where `needed` [B, T] holds (the shifted loss mask),
     as probabilities: the full-vocab product and the softmax run once per row, not once per TTT step.
-    kind (train.teacher): distribution = the softmax; argmax = the one-hot of the top draft token."""
+    kind (train.teacher): distribution = the softmax of the logits / temperature (train.teacher_temperature);
+    argmax = the one-hot of the top draft token (temperature 1 only: a one-hot has none)."""
     if kind not in ("distribution", "argmax"):
         raise ValueError(f"teacher kind must be distribution or argmax, got {kind!r}")
+    if temperature <= 0 or (kind == "argmax" and temperature != 1.0):
+        raise ValueError(f"teacher temperature must be > 0, and 1 for the argmax teacher; got {temperature}")
     B, T, H = final_hidden.shape
     flat_needed = needed.reshape(-1)
     where = flat_needed.nonzero().squeeze(-1)  # [M]
@@ -91,22 +96,25 @@ def teacher_targets(final_hidden, target_lm_head_weight, t2d, needed, chunk_size
             probs[a : a + chunk_size] = 0.0
             probs[a : a + chunk_size].scatter_(1, argmax[a : a + chunk_size, None], 1.0)
         else:
-            probs[a : a + chunk_size] = torch.softmax(draft_logits, dim=-1)
+            probs[a : a + chunk_size] = torch.softmax(draft_logits / temperature, dim=-1)
     slot = torch.full((B * T,), -1, dtype=torch.long, device=states.device)
     slot[where] = torch.arange(where.numel(), device=states.device)
-    return TeacherTargets(probs, argmax, slot.view(B, T), in_vocab.view(B, T))
+    return TeacherTargets(probs, argmax, slot.view(B, T), in_vocab.view(B, T), temperature)
 
 
 class HeadSoftCrossEntropy(torch.autograd.Function):
-    """sum_i CE(p_i, softmax(x_i W^T)) and the top-1 hits, with [n, V] logits only chunk_size rows at a time.
+    """sum_i tau^2 CE(p_i, softmax(x_i W^T / tau)) and the top-1 hits, with [n, V] logits only chunk_size rows at
+    a time (tau = temperature; 1 is plain soft cross-entropy).
 
-    The gradient is taken in forward, chunk by chunk (dCE/dlogits = softmax - p, as each p sums to 1): no
+    The gradient is taken in forward, chunk by chunk (dCE/dlogits = tau (softmax - p), as each p sums to 1): no
     logits are kept for backward and no log_softmax backward runs; backward scales the stored dx, dW.
     x [n, H], weight [V, H], teacher_probs [M, V] with rows [n] picking each x_i's teacher, teacher_argmax [M].
+    The tau^2 keeps the gradient's scale that of tau = 1, as in Hinton et al.'s distillation.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, teacher_probs, rows, teacher_argmax, chunk_size: int, need_grad: bool):
+    def forward(ctx, x, weight, teacher_probs, rows, teacher_argmax, chunk_size: int, need_grad: bool,
+                temperature: float = 1.0):
         work = torch.promote_types(x.dtype, torch.float32)
         ce_sum = torch.zeros((), dtype=work, device=x.device)
         hits = torch.zeros((), dtype=torch.long, device=x.device)
@@ -116,14 +124,18 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
             xc, rc = x[a : a + chunk_size], rows[a : a + chunk_size]
             z = (xc @ weight.T).to(work)  # [C, V]
             p = teacher_probs[rc].to(work)  # [C, V]
-            p_dot_z = torch.einsum("cv,cv->c", p, z)
             hits += (z.argmax(dim=-1) == teacher_argmax[rc]).sum()
+            if temperature != 1.0:
+                z.div_(temperature)
+            p_dot_z = torch.einsum("cv,cv->c", p, z)
             # one exp pass gives both logsumexp and softmax; z's storage is reused for exp(z - max), then dz
             z_max = z.amax(dim=-1)
             exp_sum = z.sub_(z_max[:, None]).exp_().sum(dim=-1)
-            ce_sum += (z_max + exp_sum.log() - p_dot_z).sum()
+            ce_sum += (z_max + exp_sum.log() - p_dot_z).sum() * temperature**2
             if need_grad:
                 dz = z.div_(exp_sum[:, None]).sub_(p)  # softmax - p
+                if temperature != 1.0:
+                    dz.mul_(temperature)
                 grad_x[a : a + chunk_size] = dz.to(x.dtype) @ weight
                 if torch.is_autocast_enabled(x.device.type):
                     grad_w += dz.T @ xc  # the product in autocast's dtype, like the forward's
@@ -140,13 +152,14 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
         if grad_x is None:
             raise RuntimeError("HeadSoftCrossEntropy was called with need_grad=False and then differentiated")
         return ((grad_ce * grad_x).to(grad_x.dtype), (grad_ce * grad_w).to(ctx.weight_dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def head_soft_cross_entropy(x, weight, teacher: TeacherTargets, rows, chunk_size: int = 1024):
     """(CE sum, top-1 hits) of the draft head on x [n, H] against teacher rows `rows` [n]."""
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return HeadSoftCrossEntropy.apply(x, weight, teacher.probs, rows, teacher.argmax, chunk_size, need_grad)
+    return HeadSoftCrossEntropy.apply(x, weight, teacher.probs, rows, teacher.argmax, chunk_size, need_grad,
+                                      teacher.temperature)
 
 
 def ttt_loss(head_weight, step_states, teacher: TeacherTargets, step_masks, step_weight: float,

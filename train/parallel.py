@@ -222,12 +222,14 @@ class ShiftedRow:
     scored: torch.Tensor  # [T] bool: shifted loss mask and the target argmax is in the draft vocab
 
 
-def shift_parallel_row(row: dict, teacher_weight, t2d, teacher_kind: str = "distribution") -> ShiftedRow:
+def shift_parallel_row(row: dict, teacher_weight, t2d, teacher_kind: str = "distribution",
+                       teacher_temperature: float = 1.0) -> ShiftedRow:
     """A packed row (data/ + packing.py, batch 1) -> ShiftedRow; the aux states are not shifted. teacher_kind
-    is train.teacher."""
+    and teacher_temperature are train.teacher and train.teacher_temperature."""
     ids, final, mask = shift_for_ttt(row["input_ids"], row["final_hidden_states"], row["loss_mask"],
                                      row["document_ids"])
-    teacher = teacher_targets(final.float(), teacher_weight, t2d, needed=mask, kind=teacher_kind)
+    teacher = teacher_targets(final.float(), teacher_weight, t2d, needed=mask, kind=teacher_kind,
+                              temperature=teacher_temperature)
     return ShiftedRow(input_ids=ids, aux_hidden=row["aux_hidden_states"].float(),
                       position_ids=row["position_ids"], document_ids=row["document_ids"][0],
                       loss_mask=mask[0], teacher=teacher, scored=(mask & teacher.in_vocab)[0])

@@ -78,7 +78,7 @@ def peagle_row_loss(model, row: dict, teacher_weight, t2d, cfg: RunConfig, setup
     """Loss and per-depth metrics of one packed row: COD-sampled elements in training, every chain in
     evaluation. COD and noise draw from the row's seed, so any process (and a resumed run) draws the same."""
     row = with_training_loss_mask(row, cfg.train.loss_tokens, model.training)
-    shifted = shift_parallel_row(row, teacher_weight, t2d, cfg.train.teacher)
+    shifted = shift_parallel_row(row, teacher_weight, t2d, cfg.train.teacher, cfg.train.teacher_temperature)
     if model.training and cfg.train.hidden_noise_std > 0:
         noise = cfg.train.hidden_noise_std * row_noise(shifted.aux_hidden, row["row_seed"], stream=1)
         shifted.aux_hidden = shifted.aux_hidden + noise

@@ -68,11 +68,19 @@ def test_exponent_strings_become_floats_only_in_float_fields(tmp_path):
     ("export.num_speculative_tokens=[]", "export.num_speculative_tokens needs at least one K"),
     ("train.betas=[0.9,1.5]", "train.betas must be in"),
     ("train.report_to=[tensorbord]", r"train.report_to: \['tensorbord'\] are not trackers"),
+    ("train.teacher_temperature=0", "train.teacher_temperature must be > 0, got 0"),
 ])
 def test_impossible_values_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message) as e:
         load_config("smollm2-demo", [override])
     assert "\n" not in str(e.value)
+
+
+def test_a_temperature_on_the_argmax_teacher_is_an_error():
+    with pytest.raises(ConfigError, match="teacher_temperature=2.0 needs train.teacher=distribution"):
+        load_config("smollm2-demo", ["train.teacher=argmax", "train.teacher_temperature=2"])
+    cfg, _ = load_config("smollm2-demo", ["train.teacher_temperature=2"])
+    assert cfg.train.teacher_temperature == 2.0
 
 
 def test_exclusive_norm_flags_are_an_error(tmp_path):

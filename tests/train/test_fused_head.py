@@ -145,3 +145,34 @@ def test_the_argmax_teacher_is_cross_entropy_on_the_targets_top_token():
     assert teacher.argmax.tolist() == soft.argmax.tolist() and not torch.equal(teacher.probs, soft.probs)
     with pytest.raises(ValueError, match="distribution or argmax"):
         teacher_targets(final, target_head, t2d, loss_mask, kind="hard")
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_a_teacher_temperature_is_hintons_distillation_loss(temperature):
+    """train.teacher_temperature=tau: each step's loss is tau^2 sum_v softmax(t/tau) (-log softmax(s/tau)),
+    brute force over full logits with autograd, and its gradients; the hits (argmax) do not depend on tau."""
+    final, target_head, t2d, loss_mask, head, states = random_case(seed=4)
+    teacher = teacher_targets(final, target_head, t2d, loss_mask, chunk_size=6, temperature=temperature)
+    masks = step_masks_of(loss_mask & teacher.in_vocab)
+    got, metrics = ttt_loss(head, states, teacher, masks, 0.8, chunk_size=16)
+    got_grads = torch.autograd.grad(got, [head, *states])
+
+    teacher_logits, _ = teacher_from_final_hidden(final, target_head, t2d)  # [B, T, V_d]
+    want, hits = 0.0, []
+    for j, s in enumerate(states):
+        n = T - j
+        logits = s[:, :n] @ head.T  # [B, n, V_d]
+        t = teacher_logits[:, j: j + n]
+        ce = -(torch.softmax(t / temperature, -1) * torch.log_softmax(logits / temperature, -1)).sum(-1)
+        mask = masks[j, :, :n]
+        want = want + 0.8**j * temperature**2 * ce[mask].sum() / mask.sum()
+        hits.append(int(((logits.argmax(-1) == t.argmax(-1)) & mask).sum()))
+    want_grads = torch.autograd.grad(want, [head, *states])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert metrics["correct"].tolist() == hits and sum(hits) > 0
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    plain, plain_metrics = ttt_loss(head, states, teacher_targets(final, target_head, t2d, loss_mask), masks, 0.8)
+    assert plain_metrics["correct"].tolist() == hits and not torch.isclose(plain, got)
+    with pytest.raises(ValueError, match="temperature"):
+        teacher_targets(final, target_head, t2d, loss_mask, kind="argmax", temperature=temperature)

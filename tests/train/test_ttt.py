@@ -386,7 +386,8 @@ def test_loss_tokens_all_scores_every_real_token_in_training_and_the_assistant_m
     row = {"input_ids": batch["input_ids"], "final_hidden_states": batch["final_hidden"].float(),
            "loss_mask": batch["loss_mask"].long(), "document_ids": batch["document_ids"],
            "aux_hidden_states": batch["aux"].float(), "position_ids": batch["position_ids"], "row_seed": 0}
-    cfg = SimpleNamespace(train=SimpleNamespace(teacher="distribution", hidden_noise_std=0.0, loss_tokens="all"),
+    cfg = SimpleNamespace(train=SimpleNamespace(teacher="distribution", teacher_temperature=1.0, hidden_noise_std=0.0,
+                                                loss_tokens="all"),
                           ttt=SimpleNamespace(num_steps=J, step_weight=0.8))
     expected = reference_ttt_logits(float64_params(drafter), drafter.spec, batch["aux"], batch["input_ids"],
                                     batch["position_ids"], batch["document_ids"], J)
