@@ -108,6 +108,15 @@ VARIANTS["recipe rows=512 lr=1e-3 fc_norm aux 20,25,30"] = [*VARIANTS["recipe ro
 # runners-up carry what transfers to the served family); a softer teacher weighs them more
 VARIANTS["recipe rows=512 lr=1e-3 fc_norm T=2"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"],
                                                    "train.teacher_temperature=2"]
+# token-alignable training (GRIFFIN, top 3 as its recipe) on the best so far: step j is scored at a position only
+# where every earlier step there kept the target's argmax in its top 3. Served acceptance at step j is conditional
+# on steps < j accepted, so the positions dropped teach step j inputs (the drafter's own hidden state after a miss)
+# that serving never feeds it; the capacity goes to the positions that count
+VARIANTS["recipe rows=512 lr=1e-3 fc_norm align top3"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"],
+                                                          "ttt.alignment_topk=3"]
+# and top 1, exactly greedy serving's condition (top 3 served 0.975x the fc_norm recipe: does the exact one differ?)
+VARIANTS["recipe rows=512 lr=1e-3 fc_norm align top1"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"],
+                                                          "ttt.alignment_topk=1"]
 
 
 def override_value(extra: list[str], key: str) -> str | None:

@@ -19,7 +19,8 @@ logger = logging.getLogger("draftsmith.train.eagle3")
 
 
 def ttt_row_loss(model, row: dict, teacher_weight, t2d, cfg: RunConfig, attention: str):
-    """Loss and per-step metrics of one packed row (DESIGN section 3); the noise is drawn from the row's seed."""
+    """Loss and per-step metrics of one packed row (DESIGN section 3); the noise is drawn from the row's seed.
+    Held-out evaluation scores every step at every position (no alignment mask), so figures compare across runs."""
     row = with_training_loss_mask(row, cfg.train.loss_tokens, model.training)
     ids, final, mask = shift_for_ttt(row["input_ids"], row["final_hidden_states"], row["loss_mask"],
                                      row["document_ids"])
@@ -30,7 +31,8 @@ def ttt_row_loss(model, row: dict, teacher_weight, t2d, cfg: RunConfig, attentio
     if model.training and cfg.train.hidden_noise_std > 0:
         aux = aux + cfg.train.hidden_noise_std * row_noise(aux, row["row_seed"])
     states = ttt_forward(model, aux, ids, row["position_ids"], row["document_ids"], cfg.ttt.num_steps, attention)
-    return ttt_loss(model.lm_head.weight, states, teacher, step_masks, cfg.ttt.step_weight)
+    return ttt_loss(model.lm_head.weight, states, teacher, step_masks, cfg.ttt.step_weight,
+                    alignment_topk=cfg.ttt.alignment_topk if model.training else 0)
 
 
 def build_method(cfg: RunConfig, model, target_path, device) -> Method:

@@ -103,13 +103,14 @@ def teacher_targets(final_hidden, target_lm_head_weight, t2d, needed, chunk_size
 
 
 class HeadSoftCrossEntropy(torch.autograd.Function):
-    """sum_i tau^2 CE(p_i, softmax(x_i W^T / tau)) and the top-1 hits, with [n, V] logits only chunk_size rows at
-    a time (tau = temperature; 1 is plain soft cross-entropy).
+    """sum_i tau^2 CE(p_i, softmax(x_i W^T / tau)), the top-1 hits, and each row's rank of the teacher's argmax,
+    with [n, V] logits only chunk_size rows at a time (tau = temperature; 1 is plain soft cross-entropy).
 
     The gradient is taken in forward, chunk by chunk (dCE/dlogits = tau (softmax - p), as each p sums to 1): no
     logits are kept for backward and no log_softmax backward runs; backward scales the stored dx, dW.
     x [n, H], weight [V, H], teacher_probs [M, V] with rows [n] picking each x_i's teacher, teacher_argmax [M].
     The tau^2 keeps the gradient's scale that of tau = 1, as in Hinton et al.'s distillation.
+    ranks [n]: how many draft logits of row i exceed the one at the teacher's argmax (0 = the draft's top token).
     """
 
     @staticmethod
@@ -118,6 +119,7 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
         work = torch.promote_types(x.dtype, torch.float32)
         ce_sum = torch.zeros((), dtype=work, device=x.device)
         hits = torch.zeros((), dtype=torch.long, device=x.device)
+        ranks = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
         grad_x = torch.empty_like(x) if need_grad else None
         grad_w = torch.zeros(weight.shape, dtype=work, device=x.device) if need_grad else None
         for a in range(0, x.shape[0], chunk_size):
@@ -125,6 +127,7 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
             z = (xc @ weight.T).to(work)  # [C, V]
             p = teacher_probs[rc].to(work)  # [C, V]
             hits += (z.argmax(dim=-1) == teacher_argmax[rc]).sum()
+            ranks[a : a + chunk_size] = (z > z.gather(1, teacher_argmax[rc, None])).sum(dim=-1)
             if temperature != 1.0:
                 z.div_(temperature)
             p_dot_z = torch.einsum("cv,cv->c", p, z)
@@ -141,13 +144,13 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
                     grad_w += dz.T @ xc  # the product in autocast's dtype, like the forward's
                 else:
                     grad_w.addmm_(dz.T, xc.to(work))
-        ctx.mark_non_differentiable(hits)
+        ctx.mark_non_differentiable(hits, ranks)
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(grad_x, grad_w)
-        return ce_sum, hits
+        return ce_sum, hits, ranks
 
     @staticmethod
-    def backward(ctx, grad_ce, _grad_hits):
+    def backward(ctx, grad_ce, _grad_hits, _grad_ranks):
         grad_x, grad_w = ctx.saved_tensors
         if grad_x is None:
             raise RuntimeError("HeadSoftCrossEntropy was called with need_grad=False and then differentiated")
@@ -156,26 +159,35 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
 
 
 def head_soft_cross_entropy(x, weight, teacher: TeacherTargets, rows, chunk_size: int = 1024):
-    """(CE sum, top-1 hits) of the draft head on x [n, H] against teacher rows `rows` [n]."""
+    """(CE sum, top-1 hits, ranks [n] of the teacher's argmax) of the draft head on x [n, H] against teacher rows
+    `rows` [n]."""
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return HeadSoftCrossEntropy.apply(x, weight, teacher.probs, rows, teacher.argmax, chunk_size, need_grad,
                                       teacher.temperature)
 
 
 def ttt_loss(head_weight, step_states, teacher: TeacherTargets, step_masks, step_weight: float,
-             chunk_size: int = 1024):
+             chunk_size: int = 1024, alignment_topk: int = 0):
     """Weighted TTT loss sum_j step_weight**j * CE_j, and per-step metrics as tensors (no host sync).
 
     head_weight: the draft lm_head [V_d, H]; step_states: J x [B, T, H] from ttt_forward; teacher from
     teacher_targets over the shifted final hidden; step_masks [J, B, T] from ttt_step_masks (shifted loss mask
     AND in-vocab AND same document). Step j at t is scored against the teacher at t+j, and the head runs only at
-    scored positions. Metrics: loss, acc, correct, count, each [J].
+    scored positions. alignment_topk k > 0 (ttt.alignment_topk) also drops step j at t unless every earlier step
+    at t was scored with the teacher's argmax in its top k: a draft that served would have been rejected there,
+    so nothing after it is ever used (GRIFFIN's token-alignable training). Metrics: loss, acc, correct, count,
+    each [J].
     """
     losses, correct, counts = [], [], []
+    aligned = None  # [B, T] bool: every step so far kept the teacher's argmax in its top alignment_topk
     for j, states in enumerate(step_states):
-        b, t = step_masks[j].nonzero(as_tuple=True)  # a step-j mask holds only where t + j < T
-        ce_sum, hits = head_soft_cross_entropy(states[b, t], head_weight, teacher, teacher.slot[b, t + j],
-                                               chunk_size)
+        mask = step_masks[j] if aligned is None else step_masks[j] & aligned
+        b, t = mask.nonzero(as_tuple=True)  # a step-j mask holds only where t + j < T
+        ce_sum, hits, ranks = head_soft_cross_entropy(states[b, t], head_weight, teacher, teacher.slot[b, t + j],
+                                                      chunk_size)
+        if alignment_topk > 0:
+            aligned = torch.zeros_like(mask)
+            aligned[b, t] = ranks < alignment_topk
         count = torch.tensor(b.numel(), device=ce_sum.device)
         losses.append(ce_sum / count.clamp(min=1))
         correct.append(hits)

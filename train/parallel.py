@@ -261,7 +261,7 @@ def depth_loss_sums(head_inputs, head_weight, teacher: TeacherTargets, target, s
     pieces = zip(head_inputs.split(depth_sizes), target.split(depth_sizes), scored.split(depth_sizes))
     for depth_inputs, depth_target, depth_scored in pieces:
         rows = teacher.slot[0, depth_target[depth_scored]]
-        ce, hits = head_soft_cross_entropy(depth_inputs[depth_scored], head_weight, teacher, rows)
+        ce, hits, _ = head_soft_cross_entropy(depth_inputs[depth_scored], head_weight, teacher, rows)
         ce_sums.append(ce)
         correct.append(hits)
         count.append(depth_scored.sum())

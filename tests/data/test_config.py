@@ -69,6 +69,7 @@ def test_exponent_strings_become_floats_only_in_float_fields(tmp_path):
     ("train.betas=[0.9,1.5]", "train.betas must be in"),
     ("train.report_to=[tensorbord]", r"train.report_to: \['tensorbord'\] are not trackers"),
     ("train.teacher_temperature=0", "train.teacher_temperature must be > 0, got 0"),
+    ("ttt.alignment_topk=-1", "ttt.alignment_topk must be >= 0, got -1"),
 ])
 def test_impossible_values_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message) as e:

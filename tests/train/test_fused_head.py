@@ -110,7 +110,7 @@ def test_without_grad_the_gradient_is_not_computed():
     with_grad, _ = ttt_loss(head, states, teacher, masks, 0.8)
     torch.testing.assert_close(loss, with_grad.detach(), rtol=1e-6, atol=1e-6)
     x, rows = states[0][0, :4].detach(), teacher.slot[0, :4].clamp(min=0)
-    ce, _ = HeadSoftCrossEntropy.apply(x.requires_grad_(True), head, teacher.probs, rows, teacher.argmax, 8, False)
+    ce, _, _ = HeadSoftCrossEntropy.apply(x.requires_grad_(True), head, teacher.probs, rows, teacher.argmax, 8, False)
     with pytest.raises(RuntimeError, match="need_grad=False"):
         ce.backward()
 
@@ -176,3 +176,37 @@ def test_a_teacher_temperature_is_hintons_distillation_loss(temperature):
     assert plain_metrics["correct"].tolist() == hits and not torch.isclose(plain, got)
     with pytest.raises(ValueError, match="temperature"):
         teacher_targets(final, target_head, t2d, loss_mask, kind="argmax", temperature=temperature)
+
+
+@pytest.mark.parametrize("topk", [1, 40])
+def test_token_alignment_scores_a_step_only_after_aligned_earlier_steps(topk):
+    """ttt.alignment_topk=k: step j at t is scored only where each step i < j at t was scored with the teacher's
+    argmax among its k largest draft logits, brute force with torch.topk over full logits; loss and gradients."""
+    final, target_head, t2d, loss_mask, head, states = random_case(seed=5)
+    teacher = teacher_targets(final, target_head, t2d, loss_mask, chunk_size=9)
+    masks = step_masks_of(loss_mask & teacher.in_vocab)
+    got, metrics = ttt_loss(head, states, teacher, masks, 0.8, chunk_size=16, alignment_topk=topk)
+    got_grads = torch.autograd.grad(got, [head, *states])
+
+    teacher_logits, _ = teacher_from_final_hidden(final, target_head, t2d)  # [B, T, V_d]
+    want, counts = 0.0, []
+    aligned = torch.ones(B, T, dtype=torch.bool)
+    for j, s in enumerate(states):
+        n = T - j
+        logits = s[:, :n] @ head.T  # [B, n, V_d]
+        t = teacher_logits[:, j: j + n]
+        mask = masks[j, :, :n] & aligned[:, :n]
+        ce = -(torch.softmax(t, -1) * torch.log_softmax(logits, -1)).sum(-1)
+        want = want + 0.8**j * ce[mask].sum() / mask.sum().clamp(min=1)
+        counts.append(int(mask.sum()))
+        in_topk = (logits.topk(topk, dim=-1).indices == t.argmax(-1, keepdim=True)).any(-1)  # [B, n]
+        aligned = torch.zeros(B, T, dtype=torch.bool)
+        aligned[:, :n] = mask & in_topk
+    want_grads = torch.autograd.grad(want, [head, *states])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert metrics["count"].tolist() == counts
+    assert counts[0] == int(masks[0].sum()) > counts[1] >= counts[2]  # step 0 keeps every position
+    if topk == 40:  # a third of the draft vocab: later steps keep some positions
+        assert counts[2] > 0
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)

@@ -388,7 +388,7 @@ def test_loss_tokens_all_scores_every_real_token_in_training_and_the_assistant_m
            "aux_hidden_states": batch["aux"].float(), "position_ids": batch["position_ids"], "row_seed": 0}
     cfg = SimpleNamespace(train=SimpleNamespace(teacher="distribution", teacher_temperature=1.0, hidden_noise_std=0.0,
                                                 loss_tokens="all"),
-                          ttt=SimpleNamespace(num_steps=J, step_weight=0.8))
+                          ttt=SimpleNamespace(num_steps=J, step_weight=0.8, alignment_topk=0))
     expected = reference_ttt_logits(float64_params(drafter), drafter.spec, batch["aux"], batch["input_ids"],
                                     batch["position_ids"], batch["document_ids"], J)
     every_token = batch | {"loss_mask": batch["document_ids"] >= 0}
