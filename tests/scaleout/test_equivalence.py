@@ -135,3 +135,21 @@ def test_two_processes_with_a_training_package_train_what_one_process_trains(pac
     assert sorted(got) == [1, 2, 3, 4, 5]
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=LOSS_RELATIVE_TOLERANCE)
+
+
+def test_token_alignment_trains_the_same_on_two_processes(scaleout_config):
+    """ttt.alignment_topk masks each row from its own draft logits: DDP over 2 processes x 1 row still trains what
+    1 process x 2 accumulated rows trains; and the mask changes what is trained (against the same run without it)."""
+    align = {"alignment_topk": 1}
+    config, reference = scaleout_config("one-eagle3-align", train={"grad_accum": 2}, ttt=align)
+    run_training(train_command("eagle3", config, None), launch_env(reference.parent), reference.parent)
+    config, run_dir = scaleout_config("two-eagle3-ddp-align", ttt=align)
+    log = run_training(train_command("eagle3", config, "ddp"), launch_env(run_dir.parent), run_dir.parent)
+    assert_launched_as(log, "ddp", 2)
+    assert max_abs_difference(final_weights(reference), final_weights(run_dir)) < WEIGHT_TOLERANCE
+    want, got = logged_losses(reference), logged_losses(run_dir)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=LOSS_RELATIVE_TOLERANCE)
+    config, unaligned = scaleout_config("one-eagle3-unaligned", train={"grad_accum": 2})
+    run_training(train_command("eagle3", config, None), launch_env(unaligned.parent), unaligned.parent)
+    assert max_abs_difference(final_weights(reference), final_weights(unaligned)) > 1e-3
