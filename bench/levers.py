@@ -117,6 +117,11 @@ VARIANTS["recipe rows=512 lr=1e-3 fc_norm align top3"] = [*VARIANTS["recipe rows
 # and top 1, exactly greedy serving's condition (top 3 served 0.975x the fc_norm recipe: does the exact one differ?)
 VARIANTS["recipe rows=512 lr=1e-3 fc_norm align top1"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"],
                                                           "ttt.alignment_topk=1"]
+# the lr on the best so far, both ways: without fc_norm, half the lr served higher at 512-token rows (1e-3 1.886
+# against 2e-3 1.855) and at 2048-token rows the higher lr scored higher held-out and served lower, so the served
+# family may favour a still lower lr; fc_norm's per-layer normalised input may instead take a higher one
+VARIANTS["recipe rows=512 lr=5e-4 fc_norm"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"], "train.lr=5e-4"]
+VARIANTS["recipe rows=512 lr=2e-3 fc_norm"] = [*VARIANTS["recipe rows=512 lr=1e-3 fc_norm"], "train.lr=2e-3"]
 
 
 def override_value(extra: list[str], key: str) -> str | None:
