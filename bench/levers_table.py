@@ -21,6 +21,9 @@ SPECULATORS_SERVED = re.compile(r"^served AL at K=3 \(vLLM\)\s+([\d.]+)\s+([\d.]
 def read_lever_runs(results: Path, budget: int) -> dict[tuple[str, int], dict]:
     """(variant, seed) -> {"sim": float, "served": float, "positions": tuple} from the runs at `budget` tokens.
     A variant served again in a later run (reused, same drafter) keeps its first figures."""
+    if not results.is_file():
+        raise SystemExit(f"{results}: no such results file; bench/levers.py --serve prints the runs it reads "
+                         "(pass another one with --results)")
     rows: dict[tuple[str, int], dict] = {}
     run_budget = seed = None
     for line in results.read_text().splitlines():
@@ -30,15 +33,18 @@ def read_lever_runs(results: Path, budget: int) -> dict[tuple[str, int], dict]:
         if run_budget != budget:
             continue
         if m := SIM_LINE.match(line):
-            rows.setdefault((m[1], seed), {}).setdefault("sim", float(m[2]))
+            rows.setdefault((m[1].strip(), seed), {}).setdefault("sim", float(m[2]))
         elif m := SERVED_LINE.match(line):
-            row = rows.setdefault((m[1], seed), {})
+            row = rows.setdefault((m[1].strip(), seed), {})  # levers.py pads short names
             row.setdefault("served", float(m[2]))
             row.setdefault("positions", (m[3], m[4], m[5]))
     return {key: row for key, row in rows.items() if "served" in row}
 
 
 def speculators_served_al(best: Path) -> float:
+    if not best.is_file():
+        raise SystemExit(f"{best}: no such results file; bench/vs_speculators.py --budget full writes it "
+                         "(pass another one with --speculators-results)")
     for line in best.read_text().splitlines():
         if m := SPECULATORS_SERVED.match(line):
             return float(m[2])
