@@ -61,8 +61,11 @@ def test_table_is_sorted_by_served_with_ratios(tmp_path, capsys):
     levers_table.main(["--results", str(results_file(tmp_path)), "--speculators-results", str(best)])
     out = capsys.readouterr().out.splitlines()
     assert "serves 1.862" in out[0] and "1.15x is 2.141" in out[0]
-    assert [line.split()[-1] for line in out[2:]] == [f"{1.931 / 1.862:.3f}x", f"{1.8 / 1.862:.3f}x",
-                                                      f"{1.7 / 1.862:.3f}x"]
+    rows = out[2:5]
+    assert [line.split("  ")[0] for line in rows] == ["recipe rows=512 lr=1e-3 fc_norm 2 layers", "base", "base"]
+    assert [line.split()[-1] for line in rows] == ["(*)", f"{1.8 / 1.862:.3f}x", f"{1.7 / 1.862:.3f}x"]
+    assert f"{1.931 / 1.862:.3f}x  (*)" in rows[0]  # a second layer: outside the architecture item 3 fixes
+    assert out[5].startswith("(*) leaves the architecture item 3 fixes")
 
 
 def test_missing_results_file_names_it(tmp_path):
