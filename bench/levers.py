@@ -207,7 +207,7 @@ def train_variant(out: Path, conversations: Path, steps: int, seed: int, name: s
             "final_loss": rate["losses"][-1], "eval": result, "run_dir": str(run), "config_overrides": overrides}
 
 
-# the lines bench/levers_table.py reads back from results-levers-cpu.txt (tests/bench checks the round trip)
+# the lines bench/levers_table.py reads back from results-levers-cpu.txt (tests/train/test_levers_table.py checks the round trip)
 def sim_line(result: dict, seconds: float) -> str:
     """One variant's held-out figures, as a levers run prints them."""
     acc = result["eval"]["per_step_accuracy"]

@@ -45,7 +45,7 @@ def read_lever_runs(results: Path, budget: int) -> dict[tuple[str, int], dict]:
 
 def speculators_served_al(best: Path) -> float:
     if not best.is_file():
-        raise SystemExit(f"{best}: no such results file; bench/vs_speculators.py --budget full writes it "
+        raise SystemExit(f"{best}: no such results file; bench/vs_speculators.py --budget full prints it "
                          "(pass another one with --speculators-results)")
     for line in best.read_text().splitlines():
         if m := SPECULATORS_SERVED.match(line):
